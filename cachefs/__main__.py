@@ -1,0 +1,7 @@
+"""python -m cachefs"""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,98 @@
+"""The block index in LMDB: which blocks are cached, their length, checksum and age."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import Iterator
+
+from ..db import Database
+from .keys import BlockKey
+
+_ENTRY = struct.Struct(">IQQ")  # length, xxh3_64 checksum, insertion sequence
+_SEQ = struct.Struct(">Q")
+_USED = b"used_bytes"
+_COUNT = b"block_count"
+_NEXT_SEQ = b"next_seq"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class IndexEntry:
+    length: int
+    checksum: int
+    seq: int
+
+
+class BlockIndex:
+    """Index operations; each call is one short LMDB transaction."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def get(self, key: BlockKey) -> IndexEntry | None:
+        with self._db.env.begin(db=self._db.blocks) as txn:
+            value = txn.get(key.packed())
+        return IndexEntry(*_ENTRY.unpack(value)) if value is not None else None
+
+    def add(self, key: BlockKey, length: int, checksum: int) -> None:
+        """Record a block whose data is already on disk (the commit comes last)."""
+        packed = key.packed()
+        with self._db.env.begin(write=True) as txn:
+            old = txn.get(packed, db=self._db.blocks)
+            if old is not None:
+                self._forget(txn, packed, IndexEntry(*_ENTRY.unpack(old)))
+            seq = _counter(txn, self._db, _NEXT_SEQ)
+            txn.put(_NEXT_SEQ, _SEQ.pack(seq + 1), db=self._db.meta)
+            txn.put(packed, _ENTRY.pack(length, checksum, seq), db=self._db.blocks)
+            txn.put(_SEQ.pack(seq), packed, db=self._db.fifo)
+            _bump(txn, self._db, _USED, length)
+            _bump(txn, self._db, _COUNT, 1)
+
+    def remove(self, key: BlockKey) -> int:
+        """Drop a block's entry; returns the bytes it accounted for (0 if absent)."""
+        packed = key.packed()
+        with self._db.env.begin(write=True) as txn:
+            old = txn.get(packed, db=self._db.blocks)
+            if old is None:
+                return 0
+            entry = IndexEntry(*_ENTRY.unpack(old))
+            self._forget(txn, packed, entry)
+        return entry.length
+
+    def oldest(self, limit: int) -> list[BlockKey]:
+        """Up to `limit` keys in insertion order, oldest first."""
+        keys: list[BlockKey] = []
+        with self._db.env.begin(db=self._db.fifo) as txn:
+            for _seq, packed in txn.cursor():
+                keys.append(BlockKey.unpack(packed))
+                if len(keys) >= limit:
+                    break
+        return keys
+
+    def iter_keys(self) -> Iterator[BlockKey]:
+        with self._db.env.begin(db=self._db.blocks) as txn:
+            for packed in txn.cursor().iternext(keys=True, values=False):
+                yield BlockKey.unpack(packed)
+
+    def used_bytes(self) -> int:
+        with self._db.env.begin() as txn:
+            return _counter(txn, self._db, _USED)
+
+    def block_count(self) -> int:
+        with self._db.env.begin() as txn:
+            return _counter(txn, self._db, _COUNT)
+
+    def _forget(self, txn: object, packed: bytes, entry: IndexEntry) -> None:
+        txn.delete(packed, db=self._db.blocks)  # type: ignore[attr-defined]
+        txn.delete(_SEQ.pack(entry.seq), db=self._db.fifo)  # type: ignore[attr-defined]
+        _bump(txn, self._db, _USED, -entry.length)
+        _bump(txn, self._db, _COUNT, -1)
+
+
+def _counter(txn: object, db: Database, name: bytes) -> int:
+    value = txn.get(name, db=db.meta)  # type: ignore[attr-defined]
+    return _SEQ.unpack(value)[0] if value is not None else 0
+
+
+def _bump(txn: object, db: Database, name: bytes, delta: int) -> None:
+    txn.put(name, _SEQ.pack(max(0, _counter(txn, db, name) + delta)), db=db.meta)  # type: ignore[attr-defined]

@@ -1,0 +1,294 @@
+"""`cachefs` command line: mount, unmount, stats. User errors are one line, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .config import MountConfig, format_size, parse_hub_url, parse_size, validate_block_size
+from .errors import CachefsError, UsageError
+from .mountpoints import FSTYPE, find_mount, lazy_unmount, prepare_mountpoint
+
+log = logging.getLogger("cachefs")
+
+STATS_XATTR = "user.cachefs.stats"
+LOG_FILE = "cachefs.log"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cachefs",
+        description="Read-through caching FUSE filesystem: mount a cachefs hub's dataset, "
+        "keeping every block read on local disk.",
+    )
+    parser.add_argument("--version", action="version", version=f"cachefs {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    mount = commands.add_parser("mount", help="mount a hub's dataset (read-only)")
+    mount.add_argument("hub_url", metavar="HUB_URL", help="the hub, e.g. http://hub.example:8470")
+    mount.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path, help="an existing empty directory")
+    mount.add_argument("--cache-dir", required=True, type=Path, help="where cached blocks and metadata live (created 0700)")
+    mount.add_argument("--cache-size", default="10G", help="upper bound for cached block bytes (default: 10G)")
+    mount.add_argument("--block-size", default="1M", help="cache block size, a power of two from 64K to 64M (default: 1M)")
+    mount.add_argument("--max-connections", type=int, default=16, help="concurrent connections to the hub (default: 16)")
+    mount.add_argument("--readahead-blocks", type=int, default=8, help="blocks fetched ahead of a sequential reader (default: 8)")
+    mount.add_argument(
+        "--fetch-timeout", type=float, default=30.0, metavar="SECONDS",
+        help="a read needing the hub fails with EIO after this long, retries included (default: 30)",
+    )
+    mount.add_argument("--mount-timeout", type=float, default=300.0, metavar="SECONDS", help="give up mounting after this long (default: 300)")
+    mount.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground and log to stderr")
+    mount.add_argument("--debug", action="store_true", help="verbose logging")
+    mount.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+
+    unmount = commands.add_parser("unmount", aliases=["umount"], help="unmount and stop the daemon")
+    unmount.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path)
+    unmount.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS", help="wait this long for the daemon to exit (default: 30)")
+
+    stats = commands.add_parser("stats", help="show cache statistics of a mount")
+    stats.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path)
+    stats.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "mount":
+            return _mount(args, list(sys.argv[1:] if argv is None else argv))
+        if args.command in ("unmount", "umount"):
+            return _unmount(args)
+        return _stats(args)
+    except CachefsError as exc:
+        print(f"cachefs: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("cachefs: interrupted", file=sys.stderr)
+        return 130
+
+
+# -- mount ----------------------------------------------------------------------
+
+
+def _config_from_args(args: argparse.Namespace) -> MountConfig:
+    if args.max_connections < 1:
+        raise UsageError("--max-connections must be at least 1")
+    if args.readahead_blocks < 0:
+        raise UsageError("--readahead-blocks must not be negative")
+    if args.fetch_timeout <= 0:
+        raise UsageError("--fetch-timeout must be positive")
+    return MountConfig(
+        hub_url=parse_hub_url(args.hub_url),
+        mountpoint=Path(os.path.abspath(args.mountpoint)),
+        cache_dir=Path(os.path.abspath(args.cache_dir)),
+        cache_size_bytes=parse_size(args.cache_size),
+        block_size_bytes=validate_block_size(parse_size(args.block_size)),
+        max_connections=args.max_connections,
+        readahead_blocks=args.readahead_blocks,
+        fetch_timeout_s=args.fetch_timeout,
+        foreground=args.foreground,
+        debug=args.debug,
+    )
+
+
+def _prepare_cache_dir(path: Path) -> None:
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create cache dir {path}: {exc.strerror}") from None
+    if not path.is_dir():
+        raise UsageError(f"cache dir {path} is not a directory")
+    probe = path / f".write-test.{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"cache dir {path} is not writable: {exc.strerror}") from None
+
+
+def _mount(args: argparse.Namespace, argv: list[str]) -> int:
+    config = _config_from_args(args)
+    if args.ready_fd is None:
+        _setup_logging(config.debug, None)
+        prepare_mountpoint(config.mountpoint)
+        _prepare_cache_dir(config.cache_dir)
+        if not config.foreground:
+            return _start_background(config, argv, args.mount_timeout)
+        return _run_foreground(config, notify=lambda _message: None)
+    _setup_logging(config.debug, config.cache_dir / LOG_FILE)
+    ready = os.fdopen(args.ready_fd, "w")
+
+    def notify(message: str) -> None:
+        ready.write(message + "\n")
+        ready.flush()
+
+    status = _run_foreground(config, notify)
+    ready.close()
+    return status
+
+
+def _run_foreground(config: MountConfig, notify: Any) -> int:
+    from .daemon import describe_error, run_daemon  # pyfuse3 is only needed here
+
+    try:
+        return run_daemon(config, notify)
+    except Exception as exc:
+        message = describe_error(exc)
+        if not isinstance(exc, (CachefsError, OSError)):
+            log.exception("daemon failed")
+        log.error("%s", message)
+        notify(f"error: {message}")
+        return 1
+
+
+def _start_background(config: MountConfig, argv: list[str], timeout_s: float) -> int:
+    """Start the daemon detached and wait until it reports the mount live (or an error)."""
+    read_end, write_end = os.pipe()
+    log_path = config.cache_dir / LOG_FILE
+    with open(log_path, "ab") as log_file:
+        os.chmod(log_path, 0o600)
+        child = subprocess.Popen(
+            [sys.executable, "-m", "cachefs", *argv, "--ready-fd", str(write_end)],
+            pass_fds=(write_end,),
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=log_file,
+            start_new_session=True,
+        )
+    os.close(write_end)
+    try:
+        message = _wait_for_message(read_end, child, timeout_s)
+    finally:
+        os.close(read_end)
+    if message == "ready":
+        print(f"cachefs: {config.hub_url} mounted on {config.mountpoint} (daemon pid {child.pid}, log {log_path})")
+        return 0
+    if message is None:
+        child.terminate()
+        raise CachefsError(f"mount did not complete within {timeout_s:g} s; see {log_path}")
+    raise CachefsError(message.removeprefix("error: ") if message else f"daemon exited unexpectedly; see {log_path}")
+
+
+def _wait_for_message(fd: int, child: subprocess.Popen[bytes], timeout_s: float) -> str | None:
+    """The daemon's first line ("ready" or "error: ..."); "" if it died silently; None on timeout."""
+    deadline = time.monotonic() + timeout_s
+    data = b""
+    while b"\n" not in data:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        readable, _, _ = select.select([fd], [], [], remaining)
+        if not readable:
+            continue
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            child.wait(timeout=10)
+            return data.decode(errors="replace").strip()
+        data += chunk
+    return data.split(b"\n", 1)[0].decode(errors="replace")
+
+
+def _setup_logging(debug: bool, log_path: Path | None) -> None:
+    level = logging.DEBUG if debug else logging.INFO
+    if log_path is None:
+        handler: logging.Handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("cachefs: %(message)s" if not debug else "%(asctime)s %(name)s %(levelname)s %(message)s"))
+    else:
+        handler = logging.FileHandler(log_path)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+# -- unmount --------------------------------------------------------------------
+
+
+def _cachefs_mount(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    mount = find_mount(path)
+    if mount is None:
+        raise UsageError(f"{path} is not mounted")
+    if mount.fstype != FSTYPE:
+        raise UsageError(f"{path} is not a cachefs mount ({mount.fstype})")
+    return path
+
+
+def _read_stats(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(os.getxattr(path, STATS_XATTR))
+    except OSError as exc:
+        raise CachefsError(f"cannot read statistics of {path}: {exc.strerror}") from None
+
+
+def _unmount(args: argparse.Namespace) -> int:
+    path = _cachefs_mount(args.mountpoint)
+    try:
+        pid: int | None = _read_stats(path)["pid"]
+    except CachefsError:
+        pid = None  # daemon dead: a stale mount
+    if pid is None:
+        lazy_unmount(path)
+        print(f"cachefs: removed stale mount {path}")
+        return 0
+    result = subprocess.run(["fusermount3", "-u", str(path)], capture_output=True, text=True, timeout=60)
+    if result.returncode != 0:
+        reason = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "fusermount3 failed"
+        raise CachefsError(f"cannot unmount {path}: {reason}")
+    if not _wait_for_exit(pid, args.timeout):
+        raise CachefsError(f"unmounted {path}, but daemon pid {pid} did not exit within {args.timeout:g} s")
+    print(f"cachefs: unmounted {path}")
+    return 0
+
+
+def _wait_for_exit(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# -- stats ----------------------------------------------------------------------
+
+
+def _stats(args: argparse.Namespace) -> int:
+    stats = _read_stats(_cachefs_mount(args.mountpoint))
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    looked_up = stats["block_hits"] + stats["block_misses"]
+    hit_ratio = f"{100 * stats['block_hits'] / looked_up:.1f} %" if looked_up else "n/a"
+    rows = [
+        ("mountpoint", stats["mountpoint"]),
+        ("hub", stats["hub_url"]),
+        ("generation", stats["generation"]),
+        ("cache dir", stats["cache_dir"]),
+        ("cached", f"{format_size(stats['cached_bytes'])} in {stats['cached_blocks']} blocks "
+                   f"(limit {format_size(stats['cache_capacity_bytes'])})"),
+        ("reads", f"{stats['reads']} ({format_size(stats['read_bytes'])})"),
+        ("block hits", str(stats["block_hits"])),
+        ("block misses", str(stats["block_misses"])),
+        ("hit ratio", hit_ratio),
+        ("fetched from hub", f"{format_size(stats['fetched_bytes'])} in {stats['fetches']} requests"),
+        ("read-ahead fetches", str(stats["readahead_fetches"])),
+        ("fetch retries", str(stats["fetch_retries"])),
+        ("failed reads", str(stats["fetch_failures"])),
+        ("corrupt blocks", str(stats["corrupt_blocks"])),
+        ("evicted blocks", str(stats["evicted_blocks"])),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    return 0

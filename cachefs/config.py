@@ -1,0 +1,115 @@
+"""Mount options as one frozen dataclass, with every default explained."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import urllib.parse
+from pathlib import Path
+
+from .errors import UsageError
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+_UNITS = {"": 1, "B": 1, "K": KiB, "M": MiB, "G": GiB, "T": 1024 * GiB, "P": 1024**5}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Parse '512M', '10GiB', '1.5T' or '4096' into bytes (binary units)."""
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise UsageError(f"invalid size {text!r}: use a number with an optional unit K, M, G or T (e.g. 10G)")
+    number, unit = match.groups()
+    size = int(float(number) * _UNITS[unit.upper()])
+    if size <= 0:
+        raise UsageError(f"invalid size {text!r}: must be greater than zero")
+    return size
+
+
+def format_size(size_bytes: float) -> str:
+    """Human-readable binary size, e.g. '1.5 GiB'."""
+    value = float(size_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HubURL:
+    """A parsed http://host:port[/prefix] address of a hub."""
+
+    host: str
+    port: int
+    prefix: str
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}{self.prefix}"
+
+
+def parse_hub_url(text: str) -> HubURL:
+    """Validate a hub URL; only plain http is supported for now."""
+    try:
+        parts = urllib.parse.urlsplit(text)
+        port = parts.port
+    except ValueError as exc:
+        raise UsageError(f"invalid hub URL {text!r}: {exc}") from None
+    if parts.scheme != "http":
+        raise UsageError(f"invalid hub URL {text!r}: expected http://HOST[:PORT]")
+    if not parts.hostname:
+        raise UsageError(f"invalid hub URL {text!r}: no host name")
+    if parts.query or parts.fragment:
+        raise UsageError(f"invalid hub URL {text!r}: no query or fragment allowed")
+    return HubURL(host=parts.hostname, port=port or 80, prefix=parts.path.rstrip("/"))
+
+
+def validate_block_size(size_bytes: int) -> int:
+    """Block sizes are powers of two from 64 KiB to 64 MiB."""
+    if size_bytes < 64 * KiB or size_bytes > 64 * MiB or size_bytes & (size_bytes - 1):
+        raise UsageError(f"invalid block size {size_bytes}: must be a power of two from 64K to 64M")
+    return size_bytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MountConfig:
+    """Everything the spoke daemon needs to know."""
+
+    hub_url: HubURL
+    mountpoint: Path
+    cache_dir: Path
+    # 10 GiB: a modest default that fits any training node's NVMe; set it to
+    # what the node can spare.
+    cache_size_bytes: int = 10 * GiB
+    # 1 MiB: the kernel's largest FUSE read request, so one cached block serves
+    # one request; large enough that a 60 ms RTT link moves ~17 MB per round
+    # trip and connection, small enough that a random 16 KiB sample fetches
+    # little waste. See README "Block size" for the measurement.
+    block_size_bytes: int = 1 * MiB
+    # Concurrent HTTP connections (and so block fetches) to the hub. At 60 ms
+    # RTT, 1 GB/s needs ~60 MB in flight: 16 connections x 4 MiB windows.
+    max_connections: int = 16
+    # A read that needs the hub fails with EIO after this long without
+    # success (retries with backoff included): bounded, never a hang.
+    fetch_timeout_s: float = 30.0
+    # TCP connect timeout for one attempt.
+    connect_timeout_s: float = 5.0
+    # How long the hub may stay silent within one response before the
+    # attempt is abandoned and retried.
+    read_timeout_s: float = 15.0
+    # Blocks read ahead of a sequential reader (per open file).
+    readahead_blocks: int = 8
+    # Freshly used blocks kept in daemon memory, so the kernel's smaller
+    # read requests into one block cost one disk read, not several.
+    memory_blocks: int = 32
+    # Seconds the kernel may cache names and attributes: a mount shows one
+    # immutable snapshot, so these can be long.
+    attr_timeout_s: float = 3600.0
+    # Raised kernel readahead for the mount (KiB): big FUSE read requests.
+    kernel_readahead_kb: int = 4096
+    foreground: bool = False
+    debug: bool = False

@@ -1,0 +1,237 @@
+"""The spoke daemon: wiring, manifest sync, pyfuse3 init/main/close, signals.
+
+`run_daemon` runs in the foreground process (`--foreground`) or in the
+background child that `cachefs mount` starts; it reports readiness or a
+one-line error through `notify` once the mount is live or has failed.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import gzip
+import logging
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyfuse3
+import trio
+
+from . import __version__
+from .cache import BlockCache
+from .config import MountConfig
+from .db import Database, get_meta, open_database, put_meta
+from .errors import CacheDirInUse, CachefsError, HubError, UsageError
+from .fetcher import Fetcher
+from .fs import CachefsOperations
+from .hub_client import HubClient, parse_json
+from .metrics import Stats
+from .mountpoints import find_mount
+from .namespace import Namespace, load_manifest
+from .reader import Reader
+
+log = logging.getLogger(__name__)
+
+Notify = Callable[[str], None]
+
+
+class CacheDirLock:
+    """An exclusive flock on <cache_dir>/lock, holding the daemon's pid."""
+
+    def __init__(self, cache_dir: Path) -> None:
+        self.path = cache_dir / "lock"
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._fd)
+            raise CacheDirInUse(f"cache dir {cache_dir} is in use by another cachefs daemon (pid {owner})") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        os.close(self._fd)
+
+
+def run_daemon(config: MountConfig, notify: Notify) -> int:
+    """Mount and serve until unmounted or signalled. Returns the exit status."""
+    lock = CacheDirLock(config.cache_dir)
+    db = open_database(config.cache_dir / "index.lmdb")
+    try:
+        _check_block_size(db, config)
+        trio.run(_serve, config, db, notify)
+    finally:
+        db.close()
+        lock.release()
+    return 0
+
+
+def _check_block_size(db: Database, config: MountConfig) -> None:
+    stored = get_meta(db, "block_size")
+    if stored is None:
+        put_meta(db, "block_size", str(config.block_size_bytes))
+    elif int(stored) != config.block_size_bytes:
+        raise UsageError(
+            f"cache dir {config.cache_dir} holds blocks of {stored} bytes; "
+            f"mount with --block-size {stored} or use another cache dir"
+        )
+
+
+async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
+    stats = Stats()
+    client = HubClient(
+        config.hub_url,
+        max_connections=config.max_connections,
+        connect_timeout_s=config.connect_timeout_s,
+        read_timeout_s=config.read_timeout_s,
+    )
+    namespace = Namespace(db)
+    await _sync_manifest(client, db, namespace, config)
+    cache = BlockCache(db, config.cache_dir, config.cache_size_bytes, stats)
+    fetcher = Fetcher(client, cache, stats, config.fetch_timeout_s)
+    async with trio.open_nursery() as nursery:
+        reader = Reader(
+            cache,
+            fetcher,
+            stats,
+            block_size=config.block_size_bytes,
+            memory_blocks=config.memory_blocks,
+            readahead_blocks=config.readahead_blocks,
+            nursery=nursery,
+        )
+        operations = CachefsOperations(
+            namespace,
+            reader,
+            uid=os.getuid(),
+            gid=os.getgid(),
+            attr_timeout_s=config.attr_timeout_s,
+            stats_json=lambda: _stats_json(config, stats, cache, namespace),
+        )
+        _init_fuse(operations, config)
+        try:
+            nursery.start_soon(_raise_kernel_readahead, config)
+            notify("ready")
+            log.info("cachefs %s: %s mounted on %s", __version__, config.hub_url, config.mountpoint)
+            nursery.start_soon(_terminate_on_signal)
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()
+        finally:
+            pyfuse3.close(unmount=True)
+            await client.aclose()
+            log.info("unmounted %s", config.mountpoint)
+
+
+def _init_fuse(operations: CachefsOperations, config: MountConfig) -> None:
+    options = set(pyfuse3.default_options)  # default_permissions: enforce the hub's modes
+    options |= {"fsname=cachefs", "subtype=cachefs", "ro"}
+    if config.debug:
+        options.add("debug")
+    try:
+        pyfuse3.init(operations, str(config.mountpoint), options)
+    except RuntimeError as exc:
+        raise UsageError(f"cannot mount {config.mountpoint}: {exc}") from None
+
+
+async def _terminate_on_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("received %s; unmounting", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return
+
+
+async def _sync_manifest(client: HubClient, db: Database, namespace: Namespace, config: MountConfig) -> None:
+    """Download the hub's manifest and load it if its generation is new.
+
+    With the hub unreachable, a manifest kept from an earlier mount is used
+    (cached blocks stay readable); without one, mounting fails.
+    """
+    stored = namespace.summary()
+    try:
+        tmp = config.cache_dir / "tmp" / "manifest.ndjson.gz"
+        tmp.parent.mkdir(mode=0o700, exist_ok=True)
+        with trio.fail_after(max(config.fetch_timeout_s, 60.0)):
+            generation = await _download_manifest(client, tmp, stored.generation if stored else None)
+    except (HubError, trio.TooSlowError) as exc:
+        reason = str(exc) or "timed out"
+        if stored is None:
+            raise HubError(f"cannot get the manifest from hub {config.hub_url}: {reason}") from None
+        log.warning("hub %s unreachable (%s); serving the cached snapshot %s offline", config.hub_url, reason, stored.generation)
+        return
+    if generation is not None:
+        await trio.to_thread.run_sync(load_manifest, db, tmp)
+        put_meta(db, "hub_url", str(config.hub_url))
+    tmp.unlink(missing_ok=True)
+
+
+async def _download_manifest(client: HubClient, path: Path, known_generation: str | None) -> str | None:
+    """Save the manifest to `path`; None if its generation is `known_generation`."""
+    lines = client.manifest_lines()
+    try:
+        first_line = await lines.__anext__()
+        header = parse_json(first_line)
+        if header.get("generation") == known_generation:
+            log.info("manifest generation %s is already loaded", known_generation)
+            return None
+        with gzip.open(path, "wb", compresslevel=1) as out:
+            out.write(first_line + b"\n")
+            async for line in lines:
+                out.write(line + b"\n")
+    except StopAsyncIteration:
+        raise HubError("the hub sent an empty manifest") from None
+    finally:
+        await lines.aclose()
+    return str(header.get("generation"))
+
+
+async def _raise_kernel_readahead(config: MountConfig) -> None:
+    """Larger kernel readahead makes FUSE send 1 MiB reads instead of 128 KiB (root only).
+
+    The kernel lowers the value when it processes FUSE_INIT, which happens
+    once pyfuse3.main() runs, so it is set after that and checked.
+    """
+    mount = find_mount(config.mountpoint)
+    if mount is None:
+        return
+    path = Path(f"/sys/class/bdi/{mount.device}/read_ahead_kb")
+    wanted = str(config.kernel_readahead_kb)
+    for _attempt in range(50):
+        await trio.sleep(0.1)
+        try:
+            if path.read_text().strip() == wanted:
+                continue  # keep checking a little: INIT may not have been processed yet
+            path.write_text(wanted)
+        except OSError as exc:
+            log.debug("cannot raise readahead via %s: %s", path, exc)
+            return
+
+
+def _stats_json(config: MountConfig, stats: Stats, cache: BlockCache, namespace: Namespace) -> dict[str, Any]:
+    summary = namespace.summary()
+    return {
+        "pid": os.getpid(),
+        "hub_url": str(config.hub_url),
+        "mountpoint": str(config.mountpoint),
+        "cache_dir": str(config.cache_dir),
+        "generation": summary.generation if summary else None,
+        "files_bytes": summary.file_bytes if summary else 0,
+        "block_size_bytes": config.block_size_bytes,
+        "cache_capacity_bytes": config.cache_size_bytes,
+        "cached_bytes": cache.used_bytes(),
+        "cached_blocks": cache.block_count(),
+        **stats.as_dict(),
+    }
+
+
+def describe_error(exc: BaseException) -> str:
+    """A one-line message for errors that may reach the user."""
+    if isinstance(exc, CachefsError):
+        return str(exc)
+    if isinstance(exc, OSError):
+        name = errno.errorcode.get(exc.errno or 0, "error")
+        return f"{exc.strerror or name}: {exc.filename}" if exc.filename else f"{exc.strerror or exc}"
+    return f"unexpected error: {exc!r}"

@@ -1,0 +1,43 @@
+"""The spoke's exception types. Lower layers raise these; fs.py maps them to errno."""
+
+from __future__ import annotations
+
+
+class CachefsError(Exception):
+    """Base class; the message is a one-line explanation fit for a user."""
+
+
+class UsageError(CachefsError):
+    """Bad command-line input or environment (mountpoint, cache dir, sizes)."""
+
+
+class HubError(CachefsError):
+    """Talking to the hub failed."""
+
+
+class HubUnavailable(HubError):
+    """Could not connect, or the connection broke or timed out (retryable)."""
+
+
+class HubProtocolError(HubError):
+    """The hub answered something malformed or truncated (retryable)."""
+
+
+class HubStatusError(HubError):
+    """The hub answered with an unexpected HTTP status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def retryable(self) -> bool:
+        return self.status >= 500 or self.status == 429
+
+
+class RemoteFileChanged(HubError):
+    """The hub refused a block because the file changed since our snapshot (412)."""
+
+
+class CacheDirInUse(CachefsError):
+    """Another daemon holds the cache dir lock."""

@@ -1,0 +1,220 @@
+"""pyfuse3 Operations: a read-only view of the snapshot. The only place that raises FUSEError.
+
+Any exception other than FUSEError escaping a handler would end
+pyfuse3.main() and the mount with it, so every handler goes through
+`_guarded`, which logs and answers EIO.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import logging
+import os
+import stat
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import pyfuse3
+
+from .errors import HubError, RemoteFileChanged
+from .namespace import KIND_DIR, KIND_FILE, Inode, Namespace
+from .reader import OpenFile, Reader
+
+log = logging.getLogger(__name__)
+
+STATS_XATTR = b"user.cachefs.stats"
+_KIND_BITS = {KIND_DIR: stat.S_IFDIR, KIND_FILE: stat.S_IFREG}
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def _guarded(handler: F) -> F:
+    """Turn unexpected exceptions into a logged EIO instead of a dead mount."""
+
+    @functools.wraps(handler)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await handler(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except Exception:
+            log.exception("unexpected error in %s", handler.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+async def _read_only_async(*_args: Any, **_kwargs: Any) -> Any:
+    raise pyfuse3.FUSEError(errno.EROFS)
+
+
+class CachefsOperations(pyfuse3.Operations):
+    """Serves lookups from the namespace and reads through the reader."""
+
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        reader: Reader,
+        *,
+        uid: int,
+        gid: int,
+        attr_timeout_s: float,
+        stats_json: Callable[[], dict[str, Any]],
+    ) -> None:
+        super().__init__()
+        self._namespace = namespace
+        self._reader = reader
+        self._uid = uid
+        self._gid = gid
+        self._attr_timeout_s = attr_timeout_s
+        self._stats_json = stats_json
+        self._handles: dict[int, OpenFile] = {}
+        self._next_handle = 1
+
+    # -- metadata ---------------------------------------------------------------
+
+    def _inode(self, ino: int) -> Inode:
+        inode = self._namespace.get(ino)
+        if inode is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return inode
+
+    def _attributes(self, inode: Inode) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = inode.ino
+        attr.st_mode = _KIND_BITS.get(inode.kind, stat.S_IFLNK) | inode.mode
+        attr.st_nlink = 2 if inode.is_dir else 1
+        attr.st_size = inode.size
+        attr.st_uid, attr.st_gid = self._uid, self._gid
+        attr.st_blksize = self._reader.block_size
+        attr.st_blocks = (inode.size + 511) // 512
+        attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = inode.mtime_ns
+        attr.attr_timeout = attr.entry_timeout = self._attr_timeout_s
+        return attr
+
+    @_guarded
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
+        return self._attributes(self._inode(inode))
+
+    @_guarded
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
+        parent = self._inode(parent_inode)
+        if name == b".":
+            return self._attributes(parent)
+        if name == b"..":
+            return self._attributes(self._inode(parent.parent))
+        child = self._namespace.lookup(parent_inode, name)
+        if child is None:
+            # A negative entry the kernel may cache: the snapshot cannot change.
+            attr = pyfuse3.EntryAttributes()
+            attr.st_ino = 0
+            attr.entry_timeout = self._attr_timeout_s
+            return attr
+        return self._attributes(child)
+
+    @_guarded
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        entry = self._inode(inode)
+        if entry.is_dir or entry.is_file:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return entry.target
+
+    @_guarded
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        if not self._inode(inode).is_dir:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return inode
+
+    @_guarded
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        for next_id, name, child in self._namespace.readdir(fh, start_id):
+            if not pyfuse3.readdir_reply(token, name, self._attributes(child), next_id):
+                return
+
+    @_guarded
+    async def releasedir(self, fh: int) -> None:
+        return None
+
+    @_guarded
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        summary = self._namespace.summary()
+        data = pyfuse3.StatvfsData()
+        data.f_bsize = data.f_frsize = self._reader.block_size
+        data.f_blocks = (summary.file_bytes if summary else 0) // self._reader.block_size + 1
+        data.f_bfree = data.f_bavail = 0
+        data.f_files = summary.entries if summary else 1
+        data.f_ffree = data.f_favail = 0
+        data.f_namemax = 255
+        return data
+
+    @_guarded
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        if inode == pyfuse3.ROOT_INODE and name == STATS_XATTR:
+            return json.dumps(self._stats_json()).encode()
+        self._inode(inode)
+        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+
+    @_guarded
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        self._inode(inode)
+        return []
+
+    # -- data -------------------------------------------------------------------
+
+    @_guarded
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if flags & _WRITE_FLAGS:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        entry = self._inode(inode)
+        if not entry.is_file:
+            raise pyfuse3.FUSEError(errno.EISDIR if entry.is_dir else errno.EINVAL)
+        handle_id = self._next_handle
+        self._next_handle += 1
+        self._handles[handle_id] = OpenFile(entry)
+        # The snapshot's bytes never change under this mount: keep the page cache.
+        return pyfuse3.FileInfo(fh=handle_id, keep_cache=True)
+
+    @_guarded
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        handle = self._handles.get(fh)
+        if handle is None:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        try:
+            return await self._reader.read(handle, off, size)
+        except RemoteFileChanged as exc:
+            log.error("cannot read %d bytes at %d of inode %d: %s", size, off, handle.inode.ino, exc)
+            raise pyfuse3.FUSEError(errno.ESTALE) from None
+        except HubError as exc:
+            log.error("cannot read %d bytes at %d of inode %d: %s", size, off, handle.inode.ino, exc)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    @_guarded
+    async def release(self, fh: int) -> None:
+        self._handles.pop(fh, None)
+
+    @_guarded
+    async def flush(self, fh: int) -> None:
+        return None
+
+    @_guarded
+    async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
+        self._inode(inode)
+        return not (mode & os.W_OK)
+
+    # -- everything that would change the tree ------------------------------------
+
+    setattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = _read_only_async
+    create = write = setxattr = removexattr = _read_only_async
+
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        return None  # nothing is ever dirty
+
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        return None

@@ -1,0 +1,265 @@
+"""HTTP/1.1 to the hub on trio: h11 over trio TCP streams, persistent connections.
+
+h11 (the sans-IO HTTP/1.1 state machine behind httpx) is used instead of a
+full client: measured on loopback it moves ~1.3 GB/s with 1 MiB receives,
+about three times httpx on trio, and it leaves connection pooling and
+timeouts in our hands.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import zlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import h11
+import trio
+
+from .config import HubURL
+from .errors import HubProtocolError, HubStatusError, HubUnavailable, RemoteFileChanged
+
+log = logging.getLogger(__name__)
+
+RECEIVE_BYTES = 1 << 20  # receive up to 1 MiB per syscall: fewer wakeups per block
+_CONTENT_RANGE_RE = re.compile(rb"^bytes (\d+)-(\d+)/(\d+)$")
+
+
+class _Connection:
+    """One keep-alive TCP connection with its h11 state machine."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=64 * 1024)
+
+    async def send(self, event: h11.Request | h11.EndOfMessage) -> None:
+        data = self.h11.send(event)
+        if data:
+            await self.stream.send_all(data)
+
+    async def next_event(self, read_timeout_s: float) -> Any:
+        while True:
+            event = self.h11.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            with trio.move_on_after(read_timeout_s) as scope:
+                chunk = await self.stream.receive_some(RECEIVE_BYTES)
+            if scope.cancelled_caught:
+                raise HubUnavailable(f"hub sent nothing for {read_timeout_s:g} s")
+            self.h11.receive_data(chunk)
+
+    def reusable(self) -> bool:
+        return self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
+
+    async def aclose(self) -> None:
+        with trio.CancelScope(shield=True):
+            await self.stream.aclose()
+
+
+class _Response:
+    """Status and headers of a response whose body is still to be read."""
+
+    def __init__(self, status: int, headers: dict[bytes, bytes]) -> None:
+        self.status = status
+        self.headers = headers
+
+
+class HubClient:
+    """Requests to one hub over a bounded pool of keep-alive connections."""
+
+    def __init__(
+        self,
+        url: HubURL,
+        *,
+        max_connections: int,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+    ) -> None:
+        self.url = url
+        self._connect_timeout_s = connect_timeout_s
+        self._read_timeout_s = read_timeout_s
+        self._slots = trio.Semaphore(max_connections)
+        self._idle: list[_Connection] = []
+        self._host_header = f"{url.host}:{url.port}".encode()
+
+    async def aclose(self) -> None:
+        while self._idle:
+            await self._idle.pop().aclose()
+
+    async def healthz(self) -> dict[str, Any]:
+        """GET /healthz as a dict."""
+        body = bytearray()
+        async with self._request("/healthz") as (response, conn):
+            await self._expect(response, conn, 200)
+            async for chunk in self._body(conn):
+                body += chunk
+        return parse_json(bytes(body))
+
+    async def get_range(self, file_id: str, version: str, start: int, length: int) -> bytes:
+        """Bytes [start, start+length) of one file version; exactly that many or an error."""
+        target = f"/v1/files/{file_id}?v={version}"
+        headers = [(b"Range", f"bytes={start}-{start + length - 1}".encode())]
+        async with self._request(target, headers) as (response, conn):
+            if response.status == 412:
+                raise RemoteFileChanged(f"file {file_id} changed on the hub (412)")
+            await self._expect(response, conn, 206)
+            _check_content_range(response.headers.get(b"content-range", b""), start, length)
+            data = bytearray()
+            async for chunk in self._body(conn):
+                data += chunk
+                if len(data) > length:
+                    raise HubProtocolError(f"hub sent more than {length} bytes for file {file_id}")
+        if len(data) != length:
+            raise HubProtocolError(f"hub sent {len(data)} of {length} bytes for file {file_id} at {start}")
+        return bytes(data)
+
+    async def manifest_lines(self) -> AsyncIterator[bytes]:
+        """Stream the manifest's NDJSON lines (header first), gunzipped, unparsed."""
+        async with self._request("/v1/manifest") as (response, conn):
+            await self._expect(response, conn, 200)
+            gzipped = response.headers.get(b"content-encoding", b"").lower() == b"gzip"
+            inflater = zlib.decompressobj(wbits=31) if gzipped else None
+            pending = b""
+            async for chunk in self._body(conn):
+                try:
+                    text = inflater.decompress(chunk) if inflater else chunk
+                except zlib.error as exc:
+                    raise HubProtocolError(f"corrupt manifest stream: {exc}") from None
+                pending += text
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line:
+                        yield line
+            if inflater is not None and not inflater.eof:
+                raise HubProtocolError("manifest stream ended early")
+            if pending.strip():
+                yield pending
+
+    # -- plumbing -------------------------------------------------------------
+
+    def _request(
+        self, target: str, extra_headers: list[tuple[bytes, bytes]] | None = None
+    ) -> _RequestContext:
+        return _RequestContext(self, self.url.prefix + target, extra_headers or [])
+
+    async def _acquire(self) -> _Connection:
+        if self._idle:
+            return self._idle.pop()
+        try:
+            with trio.fail_after(self._connect_timeout_s):
+                stream = await trio.open_tcp_stream(self.url.host, self.url.port)
+        except trio.TooSlowError:
+            raise HubUnavailable(f"cannot connect to hub {self.url}: timed out") from None
+        except OSError as exc:
+            raise HubUnavailable(f"cannot connect to hub {self.url}: {exc.strerror or exc}") from None
+        return _Connection(stream)
+
+    async def _start(
+        self, target: str, extra_headers: list[tuple[bytes, bytes]]
+    ) -> tuple[_Response, _Connection]:
+        headers = [(b"Host", self._host_header), (b"Accept-Encoding", b"gzip"), *extra_headers]
+        request = h11.Request(method="GET", target=target.encode(), headers=headers)
+        while True:
+            reused = bool(self._idle)
+            conn = await self._acquire()
+            try:
+                await conn.send(request)
+                await conn.send(h11.EndOfMessage())
+                event = await conn.next_event(self._read_timeout_s)
+                if not isinstance(event, h11.Response):
+                    raise HubProtocolError(f"unexpected reply from hub: {type(event).__name__}")
+            except Exception as exc:
+                await conn.aclose()
+                if reused and isinstance(_translate(exc, self.url), (HubUnavailable, HubProtocolError)):
+                    continue  # the hub closed an idle keep-alive connection: use a new one
+                raise _translate(exc, self.url) from None
+            except BaseException:
+                await conn.aclose()
+                raise
+            return _Response(event.status_code, {k.lower(): v for k, v in event.headers}), conn
+
+    async def _body(self, conn: _Connection) -> AsyncIterator[bytes]:
+        while True:
+            try:
+                event = await conn.next_event(self._read_timeout_s)
+            except Exception as exc:
+                raise _translate(exc, self.url) from None
+            if isinstance(event, h11.Data):
+                yield event.data
+            elif isinstance(event, h11.EndOfMessage):
+                return
+            else:
+                raise HubProtocolError(f"unexpected {type(event).__name__} in response body")
+
+    async def _expect(self, response: _Response, conn: _Connection, status: int) -> None:
+        if response.status == status:
+            return
+        body = bytearray()
+        async for chunk in self._body(conn):
+            if len(body) < 4096:
+                body += chunk
+        try:
+            message = json.loads(body).get("error", "")
+        except (ValueError, AttributeError):
+            message = body[:200].decode("utf-8", "replace")
+        raise HubStatusError(response.status, f"hub answered {response.status}: {message}".rstrip(": "))
+
+
+class _RequestContext:
+    """async with: send the request, yield (response, connection), recycle or close it."""
+
+    def __init__(self, client: HubClient, target: str, headers: list[tuple[bytes, bytes]]) -> None:
+        self._client = client
+        self._target = target
+        self._headers = headers
+        self._conn: _Connection | None = None
+
+    async def __aenter__(self) -> tuple[_Response, _Connection]:
+        await self._client._slots.acquire()
+        try:
+            response, self._conn = await self._client._start(self._target, self._headers)
+        except BaseException:
+            self._client._slots.release()
+            raise
+        return response, self._conn
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        conn = self._conn
+        try:
+            if conn is not None:
+                if exc_type is None and conn.reusable():
+                    conn.h11.start_next_cycle()
+                    self._client._idle.append(conn)
+                else:
+                    await conn.aclose()
+        finally:
+            self._client._slots.release()
+
+
+def _translate(exc: BaseException, url: HubURL) -> BaseException:
+    """Map transport failures to HubUnavailable/HubProtocolError; keep ours and trio's."""
+    if isinstance(exc, (HubUnavailable, HubProtocolError, HubStatusError)):
+        return exc
+    if isinstance(exc, h11.RemoteProtocolError):
+        return HubProtocolError(f"hub {url} broke the HTTP protocol: {exc}")
+    if isinstance(exc, (OSError, trio.BrokenResourceError, trio.ClosedResourceError)):
+        return HubUnavailable(f"connection to hub {url} failed: {exc}")
+    return exc
+
+
+def _check_content_range(value: bytes, start: int, length: int) -> None:
+    match = _CONTENT_RANGE_RE.match(value.strip())
+    if not match or int(match.group(1)) != start or int(match.group(2)) != start + length - 1:
+        raise HubProtocolError(f"hub answered range {value!r}, asked for {start}+{length}")
+
+
+def parse_json(data: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(data)
+    except ValueError as exc:
+        raise HubProtocolError(f"hub sent invalid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise HubProtocolError("hub sent JSON that is not an object")
+    return value

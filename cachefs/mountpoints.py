@@ -1,0 +1,82 @@
+"""Mountpoint checks: what is mounted where (from /proc/self/mountinfo), stale FUSE mounts."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+from .errors import UsageError
+
+log = logging.getLogger(__name__)
+
+FSTYPE = "fuse.cachefs"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MountInfo:
+    mountpoint: str
+    device: str  # "major:minor"
+    fstype: str
+
+
+def _unescape(field: str) -> str:
+    """mountinfo escapes space, tab, newline and backslash as octal."""
+    return field.encode().decode("unicode_escape").encode("latin-1").decode("utf-8", "surrogateescape")
+
+
+def list_mounts() -> list[MountInfo]:
+    mounts = []
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as table:
+        for line in table:
+            fields = line.split()
+            separator = fields.index("-")
+            mounts.append(MountInfo(_unescape(fields[4]), fields[2], fields[separator + 1]))
+    return mounts
+
+
+def find_mount(path: Path) -> MountInfo | None:
+    """The last (topmost) mount at exactly `path`, if any."""
+    target = os.path.abspath(path)
+    found = None
+    for mount in list_mounts():
+        if mount.mountpoint == target:
+            found = mount
+    return found
+
+
+def prepare_mountpoint(path: Path) -> Path:
+    """Check that `path` can be mounted on; clean up a stale cachefs mount left by a crash."""
+    path = Path(os.path.abspath(path))
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        raise UsageError(f"mountpoint {path} does not exist") from None
+    except OSError as exc:
+        if exc.errno != errno.ENOTCONN:
+            raise UsageError(f"mountpoint {path} is not usable: {exc.strerror}") from None
+        _clean_stale_mount(path)
+    if not os.path.isdir(path):
+        raise UsageError(f"mountpoint {path} is not a directory")
+    mount = find_mount(path)
+    if mount is not None:
+        raise UsageError(f"{path} is already a mountpoint ({mount.fstype}); unmount it first")
+    return path
+
+
+def _clean_stale_mount(path: Path) -> None:
+    mount = find_mount(path)
+    if mount is None or mount.fstype != FSTYPE:
+        raise UsageError(f"mountpoint {path} is a disconnected mount that is not cachefs; unmount it first")
+    log.warning("cleaning up stale cachefs mount on %s left by a daemon that died", path)
+    lazy_unmount(path)
+
+
+def lazy_unmount(path: Path) -> None:
+    """Detach a mount even if busy or its daemon is gone."""
+    subprocess.run(["fusermount3", "-u", "-z", str(path)], check=False, capture_output=True, timeout=30)
+    if find_mount(path) is not None:
+        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True, timeout=30)

@@ -1,0 +1,197 @@
+"""Inodes, names and attributes of the hub's snapshot, kept in LMDB.
+
+The manifest is loaded once per generation in a single write transaction:
+a crash or a broken download leaves the previous namespace intact. After
+that, every metadata operation is a local LMDB read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import logging
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from .db import Database
+from .errors import HubProtocolError
+
+log = logging.getLogger(__name__)
+
+ROOT_INODE = 1
+KIND_DIR, KIND_FILE, KIND_SYMLINK = 1, 2, 3
+_KINDS = {"d": KIND_DIR, "f": KIND_FILE, "l": KIND_SYMLINK}
+
+_ATTRS = struct.Struct(">BHqQQ")  # kind, mode, mtime_ns, size, parent inode
+_INO = struct.Struct(">Q")
+_POS = struct.Struct(">I")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Inode:
+    """One entry of the snapshot."""
+
+    ino: int
+    kind: int
+    mode: int  # permission bits only
+    mtime_ns: int
+    size: int
+    parent: int
+    file_id: bytes = b""  # files: 8-byte hub id
+    version: bytes = b""  # files: 8-byte content version
+    target: bytes = b""  # symlinks: the link target
+
+    @property
+    def is_dir(self) -> bool:
+        return self.kind == KIND_DIR
+
+    @property
+    def is_file(self) -> bool:
+        return self.kind == KIND_FILE
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ManifestSummary:
+    generation: str
+    entries: int
+    file_bytes: int
+
+
+def _pack_inode(inode: Inode) -> bytes:
+    head = _ATTRS.pack(inode.kind, inode.mode, inode.mtime_ns, inode.size, inode.parent)
+    return head + inode.file_id + inode.version + inode.target
+
+
+def _unpack_inode(ino: int, data: bytes) -> Inode:
+    kind, mode, mtime_ns, size, parent = _ATTRS.unpack_from(data)
+    rest = data[_ATTRS.size :]
+    if kind == KIND_FILE:
+        return Inode(ino, kind, mode, mtime_ns, size, parent, rest[:8], rest[8:16])
+    return Inode(ino, kind, mode, mtime_ns, size, parent, target=bytes(rest))
+
+
+class Namespace:
+    """Read-side lookups over the loaded snapshot."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    def get(self, ino: int) -> Inode | None:
+        with self._db.env.begin(db=self._db.inodes) as txn:
+            data = txn.get(_INO.pack(ino))
+        return _unpack_inode(ino, data) if data is not None else None
+
+    def lookup(self, parent: int, name: bytes) -> Inode | None:
+        with self._db.env.begin() as txn:
+            child = txn.get(_INO.pack(parent) + name, db=self._db.names)
+            if child is None:
+                return None
+            ino = _INO.unpack(child)[0]
+            data = txn.get(child, db=self._db.inodes)
+        return _unpack_inode(ino, data) if data is not None else None
+
+    def readdir(self, parent: int, start: int) -> Iterator[tuple[int, bytes, Inode]]:
+        """(next position, name, inode) of a directory's entries from `start` on."""
+        prefix = _INO.pack(parent)
+        with self._db.env.begin() as txn:
+            cursor = txn.cursor(db=self._db.dirents)
+            if not cursor.set_range(prefix + _POS.pack(start)):
+                return
+            for key, value in cursor:
+                if not key.startswith(prefix):
+                    return
+                position = _POS.unpack(key[8:])[0]
+                ino = _INO.unpack(value[:8])[0]
+                data = txn.get(value[:8], db=self._db.inodes)
+                if data is not None:
+                    yield position + 1, value[8:], _unpack_inode(ino, data)
+
+    def summary(self) -> ManifestSummary | None:
+        with self._db.env.begin(db=self._db.meta) as txn:
+            generation = txn.get(b"generation")
+            if generation is None:
+                return None
+            entries = int(txn.get(b"entries", b"0"))
+            file_bytes = int(txn.get(b"file_bytes", b"0"))
+        return ManifestSummary(generation.decode(), entries, file_bytes)
+
+
+def load_manifest(db: Database, manifest_gz: Path) -> ManifestSummary:
+    """Replace the namespace with the manifest in `manifest_gz` (one transaction)."""
+    with gzip.open(manifest_gz, "rb") as stream:
+        lines = (json.loads(line) for line in stream if line.strip())
+        try:
+            header = next(lines)
+        except StopIteration:
+            raise HubProtocolError("the hub's manifest is empty") from None
+        _check_header(header)
+        with db.env.begin(write=True) as txn:
+            for table in (db.inodes, db.names, db.dirents):
+                txn.drop(table, delete=False)
+            entries, file_bytes = _write_entries(txn, db, lines)
+            txn.put(b"generation", str(header["generation"]).encode(), db=db.meta)
+            txn.put(b"entries", str(entries).encode(), db=db.meta)
+            txn.put(b"file_bytes", str(file_bytes).encode(), db=db.meta)
+    log.info("loaded manifest generation %s: %d entries, %d file bytes", header["generation"], entries, file_bytes)
+    return ManifestSummary(str(header["generation"]), entries, file_bytes)
+
+
+def _check_header(header: dict[str, Any]) -> None:
+    if header.get("format") != "cachefs-manifest" or header.get("format_version") != 1:
+        raise HubProtocolError(f"unsupported manifest format: {str(header)[:120]}")
+    if not isinstance(header.get("generation"), str):
+        raise HubProtocolError("manifest header has no generation")
+
+
+def _write_entries(txn: lmdb.Transaction, db: Database, lines: Iterator[dict[str, Any]]) -> tuple[int, int]:
+    """Assign inode numbers in manifest order; parents always come before children."""
+    dir_inodes: dict[str, int] = {}
+    next_position: dict[int, int] = {}
+    next_ino = ROOT_INODE
+    entries = file_bytes = 0
+    for entry in lines:
+        try:
+            path, inode = entry["p"], _entry_to_inode(entry, next_ino, dir_inodes)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise HubProtocolError(f"malformed manifest entry {str(entry)[:120]}: {exc!r}") from None
+        if path == "":
+            if next_ino != ROOT_INODE or not inode.is_dir:
+                raise HubProtocolError("manifest does not start with the root directory")
+        else:
+            name = os.fsencode(path.rpartition("/")[2])
+            position = next_position.get(inode.parent, 0)
+            next_position[inode.parent] = position + 1
+            key = _INO.pack(inode.parent)
+            txn.put(key + name, _INO.pack(inode.ino), db=db.names)
+            txn.put(key + _POS.pack(position), _INO.pack(inode.ino) + name, db=db.dirents)
+        txn.put(_INO.pack(inode.ino), _pack_inode(inode), db=db.inodes)
+        if inode.is_dir:
+            dir_inodes[path] = inode.ino
+        file_bytes += inode.size if inode.is_file else 0
+        entries += 1
+        next_ino += 1
+    if entries == 0:
+        raise HubProtocolError("manifest has no root entry")
+    return entries, file_bytes
+
+
+def _entry_to_inode(entry: dict[str, Any], ino: int, dir_inodes: dict[str, int]) -> Inode:
+    path: str = entry["p"]
+    kind = _KINDS[entry["k"]]
+    parent = ROOT_INODE if path == "" else dir_inodes[path.rpartition("/")[0]]
+    common = dict(ino=ino, kind=kind, mode=int(entry["m"]) & 0o7777, mtime_ns=int(entry["t"]), parent=parent)
+    if kind == KIND_FILE:
+        file_id, version = bytes.fromhex(entry["i"]), bytes.fromhex(entry["v"])
+        if len(file_id) != 8 or len(version) != 8:
+            raise ValueError("file id and version must be 16 hex digits")
+        return Inode(size=int(entry["s"]), file_id=file_id, version=version, **common)
+    if kind == KIND_SYMLINK:
+        target = os.fsencode(entry["l"])
+        return Inode(size=len(target), target=target, **common)
+    return Inode(size=0, **common)
