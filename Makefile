@@ -1,0 +1,42 @@
+# cachefs: `make demo` and `make test` do all the set-up on a fresh Debian machine (as root).
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config
+STAMP  := $(VENV)/.installed
+
+.PHONY: all setup system-packages demo test bench lint clean
+
+all: setup
+
+setup: $(STAMP)
+
+# apt packages: only installed when missing (needs root, as on CI).
+system-packages:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing:$$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+$(STAMP): pyproject.toml | system-packages
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: system-packages setup
+	$(BIN)/python scripts/demo.py
+
+test: system-packages setup
+	$(BIN)/python -m pytest -q
+
+bench: system-packages setup
+	$(BIN)/python -m cachefs.bench $(BENCH_ARGS)
+
+lint: setup
+	$(BIN)/python -m ruff check cachefs hubserver tests scripts
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,109 @@
+"""Mount a real spoke (``python -m cachefs mount``) for tests, and always unmount it.
+
+    with mounted_spoke(hub.url, tmp_path) as spoke:
+        data = (spoke.mountpoint / "file").read_bytes()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hub_helpers import hub_env
+
+MOUNT_TIMEOUT_S = 60.0
+
+
+def cachefs_command(*args: str | os.PathLike[str]) -> list[str]:
+    return [sys.executable, "-m", "cachefs", *map(os.fspath, args)]
+
+
+def run_cachefs(*args: str | os.PathLike[str], timeout_s: float = MOUNT_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    """Run the cachefs CLI; returns the completed process (never raises on exit code)."""
+    return subprocess.run(
+        cachefs_command(*args), capture_output=True, text=True, timeout=timeout_s, env=hub_env(), stdin=subprocess.DEVNULL
+    )
+
+
+def is_mounted(path: Path) -> bool:
+    target = os.path.abspath(path)
+    with open("/proc/self/mountinfo") as table:
+        return any(line.split()[4] == target for line in table)
+
+
+def daemon_pid(cache_dir: Path) -> int | None:
+    try:
+        return int((cache_dir / "lock").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class SpokeMount:
+    mountpoint: Path
+    cache_dir: Path
+    pid: int | None
+
+    def stats(self) -> dict[str, Any]:
+        return json.loads(os.getxattr(self.mountpoint, "user.cachefs.stats"))
+
+    def log_text(self) -> str:
+        try:
+            return (self.cache_dir / "cachefs.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def unmount(self) -> None:
+        """Unmount cleanly; fall back to a lazy unmount and killing the daemon."""
+        if is_mounted(self.mountpoint):
+            result = run_cachefs("unmount", self.mountpoint)
+            if result.returncode != 0 and is_mounted(self.mountpoint):
+                subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True, timeout=30)
+        if self.pid is not None:
+            _wait_or_kill(self.pid)
+
+
+def _wait_or_kill(pid: int, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def mount_spoke(url: str, mountpoint: Path, cache_dir: Path, extra_args: Sequence[str] = ()) -> SpokeMount:
+    """Mount and return; raises AssertionError with the CLI's output on failure."""
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    result = run_cachefs("mount", url, mountpoint, "--cache-dir", cache_dir, *extra_args)
+    if result.returncode != 0:
+        spoke = SpokeMount(mountpoint, cache_dir, daemon_pid(cache_dir))
+        spoke.unmount()
+        raise AssertionError(f"cachefs mount failed ({result.returncode}): {result.stderr}\nlog:\n{spoke.log_text()}")
+    return SpokeMount(mountpoint, cache_dir, daemon_pid(cache_dir))
+
+
+@contextmanager
+def mounted_spoke(
+    url: str, workdir: Path, extra_args: Sequence[str] = (), *, cache_dir: Path | None = None, name: str = "mnt"
+) -> Iterator[SpokeMount]:
+    """A spoke mounted at workdir/name for the duration of the block, always unmounted after."""
+    spoke = mount_spoke(url, workdir / name, cache_dir or workdir / f"{name}-cache", extra_args)
+    try:
+        yield spoke
+    finally:
+        spoke.unmount()

@@ -1,0 +1,133 @@
+"""Mistakes a user will make get one line on stderr and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from mount_helpers import SpokeMount, daemon_pid, is_mounted, mounted_spoke, run_cachefs
+
+from conftest import SPOKE_ARGS
+
+
+def assert_clean_failure(result, *fragments: str) -> None:
+    assert result.returncode != 0, result.stdout
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_hub_unreachable_at_mount(tmp_path: Path) -> None:
+    (tmp_path / "mnt").mkdir()
+    started = time.monotonic()
+    result = run_cachefs("mount", f"http://127.0.0.1:{closed_port()}", tmp_path / "mnt", "--cache-dir", tmp_path / "c")
+    assert_clean_failure(result, "cannot get the manifest", "127.0.0.1")
+    assert time.monotonic() - started < 60
+    assert not is_mounted(tmp_path / "mnt")
+
+
+@pytest.mark.parametrize(
+    "url, fragment",
+    [("ftp://hub", "expected http"), ("http://", "no host"), ("not a url", "expected http"), ("http://h:99999", "invalid hub URL")],
+)
+def test_malformed_url(tmp_path: Path, url: str, fragment: str) -> None:
+    (tmp_path / "mnt").mkdir()
+    assert_clean_failure(run_cachefs("mount", url, tmp_path / "mnt", "--cache-dir", tmp_path / "c"), fragment)
+
+
+def test_mountpoint_missing_or_not_a_directory(hub, tmp_path: Path) -> None:
+    assert_clean_failure(run_cachefs("mount", hub.url, tmp_path / "nope", "--cache-dir", tmp_path / "c"), "does not exist")
+    (tmp_path / "file").write_text("x")
+    assert_clean_failure(run_cachefs("mount", hub.url, tmp_path / "file", "--cache-dir", tmp_path / "c"), "not a directory")
+
+
+def test_already_mounted(hub, tmp_path: Path) -> None:
+    with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS) as spoke:
+        result = run_cachefs("mount", hub.url, spoke.mountpoint, "--cache-dir", tmp_path / "other")
+        assert_clean_failure(result, "already a mountpoint")
+
+
+def test_cache_dir_in_use_by_another_daemon(hub, tmp_path: Path) -> None:
+    with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS) as spoke:
+        (tmp_path / "second").mkdir()
+        result = run_cachefs("mount", hub.url, tmp_path / "second", "--cache-dir", spoke.cache_dir, *SPOKE_ARGS)
+        assert_clean_failure(result, "in use by another cachefs daemon", str(spoke.pid))
+        assert not is_mounted(tmp_path / "second")
+
+
+def test_cache_dir_not_usable(hub, tmp_path: Path) -> None:
+    (tmp_path / "mnt").mkdir()
+    (tmp_path / "a-file").write_text("x")
+    result = run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", tmp_path / "a-file")
+    assert_clean_failure(result, "cache dir")
+    result = run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", "/proc/cachefs-cache")
+    assert_clean_failure(result, "cannot create cache dir")
+    result = run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", "/sys/kernel")
+    assert_clean_failure(result, "not writable")
+
+
+@pytest.mark.parametrize("option, value", [("--cache-size", "ten gigs"), ("--cache-size", "-5G"), ("--block-size", "1000"), ("--block-size", "1G")])
+def test_invalid_sizes(hub, tmp_path: Path, option: str, value: str) -> None:
+    (tmp_path / "mnt").mkdir()
+    result = run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", tmp_path / "c", f"{option}={value}")
+    assert_clean_failure(result, "invalid")
+
+
+def test_block_size_must_match_the_cache_dir(hub, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS, cache_dir=cache_dir):
+        pass
+    (tmp_path / "mnt2").mkdir()
+    result = run_cachefs("mount", hub.url, tmp_path / "mnt2", "--cache-dir", cache_dir, "--block-size", "1M")
+    assert_clean_failure(result, "--block-size 65536")
+
+
+def test_unmount_and_stats_of_something_not_mounted(tmp_path: Path) -> None:
+    assert_clean_failure(run_cachefs("unmount", tmp_path), "is not mounted")
+    assert_clean_failure(run_cachefs("stats", tmp_path), "is not mounted")
+    assert_clean_failure(run_cachefs("stats", "/proc"), "not a cachefs mount")
+
+
+def test_stale_mount_after_a_crash_is_cleaned_up(hub, tmp_path: Path, dataset: Path) -> None:
+    with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS) as spoke:
+        assert spoke.pid is not None
+        os.kill(spoke.pid, signal.SIGKILL)
+        for _ in range(100):
+            try:
+                os.kill(spoke.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        with pytest.raises(OSError):
+            os.stat(spoke.mountpoint)  # ENOTCONN: the daemon is gone
+        result = run_cachefs("mount", hub.url, spoke.mountpoint, "--cache-dir", spoke.cache_dir, *SPOKE_ARGS)
+        assert result.returncode == 0, result.stderr
+        assert "stale" in result.stderr
+        remounted = SpokeMount(spoke.mountpoint, spoke.cache_dir, daemon_pid(spoke.cache_dir))
+        try:
+            relative = "shards/shard-003.bin"
+            assert (spoke.mountpoint / relative).read_bytes() == (dataset / relative).read_bytes()
+        finally:
+            remounted.unmount()
+
+
+def test_help_describes_every_command() -> None:
+    result = run_cachefs("--help")
+    assert result.returncode == 0
+    for command in ("mount", "unmount", "stats"):
+        assert command in result.stdout
+    mount_help = run_cachefs("mount", "--help").stdout
+    for option in ("--cache-dir", "--cache-size", "--block-size", "--foreground", "--fetch-timeout"):
+        assert option in mount_help

@@ -1,0 +1,230 @@
+"""Reads through a real FUSE mount over a real hub compare byte for byte with the source."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+from dataset import TEST_BLOCK_SIZE, source_files
+from hub_helpers import running_hub
+from mount_helpers import SpokeMount, is_mounted, mounted_spoke
+
+from conftest import SPOKE_ARGS
+
+
+def read_uncached(path: Path, offset: int = 0, length: int | None = None) -> bytes:
+    """pread through the mount after dropping the kernel's page cache for the file,
+    so the bytes come from the daemon, not from an earlier read."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if length is None:
+            length = os.fstat(fd).st_size - offset
+        chunks = []
+        while length > 0:
+            chunk = os.pread(fd, length, offset)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            offset += len(chunk)
+            length -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def test_every_file_reads_back_identical(spoke: SpokeMount, dataset: Path) -> None:
+    files = source_files(dataset)
+    assert len(files) > 100
+    for relative in files:
+        assert (spoke.mountpoint / relative).read_bytes() == (dataset / relative).read_bytes(), relative
+    stats = spoke.stats()
+    assert stats["fetched_bytes"] == sum((dataset / f).stat().st_size for f in files)
+
+
+def test_random_ranges_cross_block_boundaries_and_eof(spoke: SpokeMount, dataset: Path) -> None:
+    rng = random.Random(1)
+    shards = sorted((dataset / "shards").iterdir())
+    for _ in range(300):
+        shard = rng.choice(shards)
+        size = shard.stat().st_size
+        boundary = rng.randrange(0, size // TEST_BLOCK_SIZE + 1) * TEST_BLOCK_SIZE
+        offset = max(0, boundary + rng.randrange(-300, 300))
+        length = rng.choice([1, 17, 4096, TEST_BLOCK_SIZE, 3 * TEST_BLOCK_SIZE + 5, 700_000])
+        expected = shard.read_bytes()[offset : offset + length]
+        got = read_uncached(spoke.mountpoint / "shards" / shard.name, offset, length)
+        assert got == expected, (shard.name, offset, length)
+    # Reads at and past the end of a file return nothing.
+    size = shards[0].stat().st_size
+    assert read_uncached(spoke.mountpoint / "shards" / shards[0].name, size, 100) == b""
+    assert read_uncached(spoke.mountpoint / "shards" / shards[0].name, size + 10_000, 100) == b""
+
+
+def test_eight_concurrent_readers(spoke: SpokeMount, dataset: Path) -> None:
+    files = source_files(dataset)
+    errors: list[str] = []
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(60):
+            relative = rng.choice(files)
+            source = (dataset / relative).read_bytes()
+            offset = rng.randrange(0, max(1, len(source)))
+            length = rng.randrange(1, 400_000)
+            got = read_uncached(spoke.mountpoint / relative, offset, length)
+            if got != source[offset : offset + length]:
+                errors.append(f"{relative} at {offset}+{length}")
+
+    threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a reader hung"
+    assert errors == []
+
+
+def test_concurrent_misses_of_one_block_fetch_it_once(hub, tmp_path: Path, dataset: Path) -> None:
+    with mounted_spoke(hub.url, tmp_path, (*SPOKE_ARGS, "--readahead-blocks", "0")) as spoke:
+        target = spoke.mountpoint / "shards" / "shard-001.bin"
+        expected = (dataset / "shards" / "shard-001.bin").read_bytes()[:4096]
+        barrier = threading.Barrier(8)
+        results: list[bytes] = []
+
+        def read() -> None:
+            fd = os.open(target, os.O_RDONLY | os.O_DIRECT)
+            try:
+                barrier.wait(timeout=30)
+                results.append(os.pread(fd, 4096, 0))
+            finally:
+                os.close(fd)
+
+        threads = [threading.Thread(target=read) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert results == [expected] * 8
+        assert spoke.stats()["fetches"] == 1
+
+
+def test_tree_and_attributes_match_source(spoke: SpokeMount, dataset: Path) -> None:
+    def tree(root: Path) -> dict[str, tuple[object, ...]]:
+        entries = {}
+        for directory, dirs, files in os.walk(root):
+            for name in dirs + files:
+                path = Path(directory) / name
+                info = path.lstat()
+                kind = stat.S_IFMT(info.st_mode)
+                size = info.st_size if not stat.S_ISDIR(info.st_mode) else None
+                target = os.readlink(path) if stat.S_ISLNK(info.st_mode) else None
+                entries[str(path.relative_to(root))] = (kind, stat.S_IMODE(info.st_mode), size, info.st_mtime_ns, target)
+        return entries
+
+    assert tree(spoke.mountpoint) == tree(dataset)
+    # Symlinks resolve inside the mount.
+    assert (spoke.mountpoint / "link-to-shard").read_bytes() == (dataset / "shards" / "shard-000.bin").read_bytes()
+    assert sorted(os.listdir(spoke.mountpoint / "link-to-dir")) == ["c"]
+
+
+def test_metadata_needs_no_hub_after_mount(dataset: Path, tmp_path: Path) -> None:
+    with running_hub(dataset) as hub, mounted_spoke(hub.url, tmp_path, SPOKE_ARGS) as spoke:
+        hub.stop()
+        names = sorted(str(Path(d).relative_to(spoke.mountpoint) / n) for d, ds, fs in os.walk(spoke.mountpoint) for n in ds + fs)
+        expected = sorted(str(Path(d).relative_to(dataset) / n) for d, ds, fs in os.walk(dataset) for n in ds + fs)
+        assert names == expected
+        assert (spoke.mountpoint / "shards" / "shard-002.bin").stat().st_size == TEST_BLOCK_SIZE
+
+
+def test_remount_with_hub_stopped_serves_cached_blocks(dataset: Path, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    read_before = ["shards/shard-000.bin", "small/dir 1/file-03.dat", "naïve café ☕.txt"]
+    with running_hub(dataset) as hub:
+        with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS, cache_dir=cache_dir) as spoke:
+            for relative in read_before:
+                assert (spoke.mountpoint / relative).read_bytes() == (dataset / relative).read_bytes()
+        url = hub.url
+    # The hub is gone now: the second mount works from the cached manifest and blocks.
+    with mounted_spoke(url, tmp_path, (*SPOKE_ARGS, "--fetch-timeout", "1"), cache_dir=cache_dir) as spoke:
+        for relative in read_before:
+            assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
+        assert spoke.stats()["fetches"] == 0
+        # Data never read before cannot be had: a clean EIO, bounded in time.
+        with pytest.raises(OSError) as failure:
+            read_uncached(spoke.mountpoint / "shards" / "shard-001.bin")
+        assert failure.value.errno == errno.EIO
+        assert "offline" in spoke.log_text()
+
+
+def test_changes_are_refused_with_erofs(spoke: SpokeMount) -> None:
+    root = spoke.mountpoint
+    attempts = [
+        lambda: open(root / "with space.txt", "r+b"),
+        lambda: open(root / "new-file", "wb"),
+        lambda: os.mkdir(root / "new-dir"),
+        lambda: os.unlink(root / "empty.bin"),
+        lambda: os.rmdir(root / "empty-dir"),
+        lambda: os.rename(root / "empty.bin", root / "renamed.bin"),
+        lambda: os.symlink("x", root / "new-link"),
+        lambda: os.chmod(root / "empty.bin", 0o777),
+        lambda: os.truncate(root / "with space.txt", 0),
+        lambda: os.setxattr(root / "empty.bin", "user.x", b"1"),
+    ]
+    for attempt in attempts:
+        with pytest.raises(OSError) as failure:
+            attempt()
+        assert failure.value.errno == errno.EROFS
+    assert (root / "with space.txt").read_text() == "a name with a space\n"
+
+
+def test_default_block_size_reads_identical(hub, dataset: Path, tmp_path: Path) -> None:
+    with mounted_spoke(hub.url, tmp_path) as spoke:
+        for relative in ["shards/shard-000.bin", "shards/shard-001.bin", "empty.bin"]:
+            assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
+        assert spoke.stats()["block_size_bytes"] == 1 << 20
+
+
+def test_cache_stays_under_its_size_limit(hub, dataset: Path, tmp_path: Path) -> None:
+    limit = 8 * TEST_BLOCK_SIZE
+    with mounted_spoke(hub.url, tmp_path, (*SPOKE_ARGS, "--cache-size", str(limit))) as spoke:
+        relative = "shards/shard-000.bin"
+        assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
+        stats = spoke.stats()
+        assert stats["cached_bytes"] <= limit
+        assert stats["evicted_blocks"] > 0
+        on_disk = sum(f.stat().st_size for f in (spoke.cache_dir / "blocks").rglob("*") if f.is_file())
+        assert on_disk <= limit
+        # Evicted blocks are fetched again, still correct.
+        assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
+
+
+def test_corrupt_cached_block_is_dropped_and_refetched(hub, dataset: Path, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    relative = "shards/shard-002.bin"
+    with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS, cache_dir=cache_dir) as spoke:
+        assert (spoke.mountpoint / relative).read_bytes() == (dataset / relative).read_bytes()
+    [block_file] = [f for f in (cache_dir / "blocks").rglob("*") if f.is_file()]
+    data = bytearray(block_file.read_bytes())
+    data[1000] ^= 0xFF
+    block_file.write_bytes(bytes(data))
+    with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS, cache_dir=cache_dir) as spoke:
+        assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
+        stats = spoke.stats()
+        assert stats["corrupt_blocks"] == 1
+        assert stats["fetches"] == 1
+
+
+def test_sigterm_unmounts(hub, tmp_path: Path) -> None:
+    with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS) as spoke:
+        assert spoke.pid is not None
+        os.kill(spoke.pid, 15)
+        for _ in range(200):
+            if not is_mounted(spoke.mountpoint):
+                break
+            threading.Event().wait(0.05)
+        assert not is_mounted(spoke.mountpoint)
