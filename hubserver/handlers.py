@@ -1,0 +1,283 @@
+"""HTTP handlers of the hub: health, manifest, ranged file data, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import weakref
+import zlib
+from collections.abc import Awaitable, Callable, Generator, Iterable
+from pathlib import Path
+from typing import Final
+
+from aiohttp import hdrs, web
+from aiohttp.abc import AbstractStreamWriter
+from multidict import CIMultiDict
+
+from hubserver.manifest import (
+    FileChangedError,
+    FileRecord,
+    Snapshot,
+    iter_manifest_lines,
+    open_unchanged,
+)
+
+LOG = logging.getLogger(__name__)
+
+SNAPSHOT_KEY: Final = web.AppKey("snapshot", Snapshot)
+MANIFEST_CHUNK_BYTES_KEY: Final = web.AppKey("manifest_chunk_bytes", int)
+
+NDJSON_CONTENT_TYPE = "application/x-ndjson"
+# A versioned URL never changes content, so any cache may keep it forever.
+IMMUTABLE_CACHE_CONTROL = "public, max-age=31536000, immutable"
+
+_HEX16_RE: Final = re.compile(r"[0-9a-f]{16}")
+# The same grammar aiohttp's FileResponse accepts, so that what passes here is
+# interpreted there exactly as checked here.
+_RANGE_RE: Final = re.compile(r"^bytes=(\d*)-(\d*)$", re.ASCII | re.IGNORECASE)
+# Batch lines before compressing: one compress() call per line is slow.
+_RAW_BATCH_BYTES = 256 * 1024
+# Directory whose entries reopen an open descriptor by path (Linux).
+_FD_DIR: Final = Path("/proc/self/fd")
+# Request headers FileResponse would act on besides Range. The version in the
+# URL is the validator here, and the file must be sent as it is on disk.
+_IGNORED_REQUEST_HEADERS: Final = (
+    hdrs.IF_MATCH,
+    hdrs.IF_NONE_MATCH,
+    hdrs.IF_MODIFIED_SINCE,
+    hdrs.IF_UNMODIFIED_SINCE,
+    hdrs.IF_RANGE,
+    hdrs.ACCEPT_ENCODING,
+)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class RangeNotSatisfiable(Exception):
+    """The Range header is not one satisfiable byte range of the file."""
+
+
+def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    """The protocol's error answer: ``{"error": "<one line>"}``."""
+    one_line = " ".join(message.split())
+    return web.json_response({"error": one_line}, status=status, headers=headers)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Answer every error as JSON; never send a traceback."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers: dict[str, str] = {}
+        if hdrs.ALLOW in exc.headers:
+            headers[hdrs.ALLOW] = exc.headers[hdrs.ALLOW]
+        return json_error(exc.status, exc.reason, headers)
+    except Exception:
+        LOG.exception("unexpected error answering %s %s", request.method, request.path)
+        return json_error(500, "internal server error")
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """``GET /healthz``: liveness plus what the snapshot holds."""
+    snapshot = request.app[SNAPSHOT_KEY]
+    return web.json_response(
+        {
+            "status": "ok",
+            "generation": snapshot.generation,
+            "files": snapshot.file_count,
+            "bytes": snapshot.total_bytes,
+        }
+    )
+
+
+def iter_gzip_chunks(lines: Iterable[bytes], chunk_bytes: int) -> Generator[bytes, None, None]:
+    """Gzip a stream of lines into pieces of about ``chunk_bytes``."""
+    compressor = zlib.compressobj(wbits=31)  # 31: gzip header and trailer
+    raw: list[bytes] = []
+    raw_size = 0
+    out: list[bytes] = []
+    out_size = 0
+    for line in lines:
+        raw.append(line)
+        raw_size += len(line)
+        if raw_size < _RAW_BATCH_BYTES:
+            continue
+        piece = compressor.compress(b"".join(raw))
+        raw.clear()
+        raw_size = 0
+        out.append(piece)
+        out_size += len(piece)
+        if out_size >= chunk_bytes:
+            yield b"".join(out)
+            out.clear()
+            out_size = 0
+    out.append(compressor.compress(b"".join(raw)))
+    out.append(compressor.flush())
+    yield b"".join(out)
+
+
+async def manifest(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/manifest``: the snapshot as gzip NDJSON, streamed.
+
+    The body is built and compressed piece by piece in a worker thread, so a
+    large manifest neither sits in memory whole nor stalls the event loop.
+    aiohttp's own compression is never enabled on this response, so the
+    body is compressed exactly once.
+    """
+    snapshot = request.app[SNAPSHOT_KEY]
+    chunk_bytes = request.app[MANIFEST_CHUNK_BYTES_KEY]
+    response = web.StreamResponse(
+        headers={
+            hdrs.CONTENT_TYPE: NDJSON_CONTENT_TYPE,
+            hdrs.CONTENT_ENCODING: "gzip",
+            hdrs.CACHE_CONTROL: "no-cache",
+        }
+    )
+    response.enable_chunked_encoding()
+    await response.prepare(request)
+    loop = asyncio.get_running_loop()
+    chunks = iter_gzip_chunks(iter_manifest_lines(snapshot), chunk_bytes)
+    sent_bytes = 0
+    try:
+        while (chunk := await loop.run_in_executor(None, next, chunks, None)) is not None:
+            await response.write(chunk)
+            sent_bytes += len(chunk)
+        await response.write_eof()
+    except ConnectionError as exc:
+        LOG.info("manifest: client %s went away after %d bytes: %s", request.remote, sent_bytes, exc)
+    finally:
+        chunks.close()
+    LOG.debug("manifest: sent %d gzip bytes, %d entries", sent_bytes, len(snapshot.entries))
+    return response
+
+
+def parse_range(header: str | None, size_bytes: int) -> tuple[int, int] | None:
+    """Check a Range header against a file size.
+
+    Returns the first and last byte (inclusive), or None without a Range
+    header. Raises RangeNotSatisfiable unless the header is exactly one
+    satisfiable byte range: ``bytes=a-b``, ``bytes=a-`` or ``bytes=-n``.
+    """
+    if header is None:
+        return None
+    match = _RANGE_RE.match(header)
+    if match is None:
+        raise RangeNotSatisfiable(f"not a single byte range: {header!r}")
+    first_text, last_text = match.groups()
+    if not first_text:
+        if not last_text:
+            raise RangeNotSatisfiable("empty byte range")
+        suffix_bytes = int(last_text)
+        if suffix_bytes == 0 or size_bytes == 0:
+            raise RangeNotSatisfiable("empty suffix range")
+        return max(size_bytes - suffix_bytes, 0), size_bytes - 1
+    first = int(first_text)
+    last = int(last_text) if last_text else size_bytes - 1
+    if last < first:
+        raise RangeNotSatisfiable(f"reversed byte range: {header!r}")
+    if first >= size_bytes:
+        raise RangeNotSatisfiable(f"range starts at {first}, file has {size_bytes} bytes")
+    return first, min(last, size_bytes - 1)
+
+
+class SnapshotFileResponse(web.FileResponse):
+    """A FileResponse for one file of the snapshot, sent from a verified
+    open descriptor.
+
+    The descriptor came from ``open_unchanged``; aiohttp reopens it through
+    ``/proc/self/fd``, so the bytes sent are those of the scanned inode and
+    nothing a path swap could substitute. aiohttp sets its own ETag while
+    preparing; ``restore_snapshot_etag`` (an ``on_response_prepare`` hook)
+    puts the protocol's back.
+    """
+
+    def __init__(self, fd: int, record: FileRecord, fallback_path: bytes) -> None:
+        if _FD_DIR.is_dir():
+            path: os.PathLike[str] | str = _FD_DIR / str(fd)
+        else:
+            path = os.fsdecode(fallback_path)
+        super().__init__(
+            path,
+            headers={
+                hdrs.CONTENT_TYPE: "application/octet-stream",
+                hdrs.CACHE_CONTROL: IMMUTABLE_CACHE_CONTROL,
+                hdrs.ACCEPT_RANGES: "bytes",
+            },
+        )
+        self.snapshot_etag = f'"{record.file_id}-{record.version}"'
+        # Close the descriptor once sent, or when the response is dropped.
+        self._close_fd = weakref.finalize(self, os.close, fd)
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        """Send the file, honouring Range only, then close the descriptor."""
+        headers = CIMultiDict(request.headers)
+        for name in _IGNORED_REQUEST_HEADERS:
+            headers.popall(name, None)
+        try:
+            return await super().prepare(request.clone(headers=headers))
+        finally:
+            self._close_fd()
+
+
+async def restore_snapshot_etag(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare`` hook: the protocol's ETag on file data."""
+    if isinstance(response, SnapshotFileResponse):
+        response.headers[hdrs.ETAG] = response.snapshot_etag
+
+
+class _HTTPJSONError(Exception):
+    """A protocol error to answer with ``json_error``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _lookup(request: web.Request) -> FileRecord:
+    """The record a files request names; raises the protocol's 400/404/412."""
+    file_id = request.match_info["file_id"]
+    if not _HEX16_RE.fullmatch(file_id):
+        raise _HTTPJSONError(400, "malformed file id: expected 16 lowercase hex digits")
+    wanted_version = request.query.get("v")
+    if wanted_version is not None and not _HEX16_RE.fullmatch(wanted_version):
+        raise _HTTPJSONError(400, "malformed version: expected 16 lowercase hex digits")
+    record = request.app[SNAPSHOT_KEY].files_by_id.get(file_id)
+    if record is None:
+        raise _HTTPJSONError(404, f"no file with id {file_id} in this snapshot")
+    if wanted_version is not None and wanted_version != record.version:
+        raise _HTTPJSONError(412, f"file {file_id}: version {wanted_version} is not the snapshot's {record.version}")
+    return record
+
+
+async def file_data(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/files/{id}?v={version}``: bytes of one snapshot file."""
+    try:
+        record = _lookup(request)
+    except _HTTPJSONError as exc:
+        return json_error(exc.status, exc.message)
+    snapshot = request.app[SNAPSHOT_KEY]
+    loop = asyncio.get_running_loop()
+    try:
+        fd = await loop.run_in_executor(None, open_unchanged, snapshot, record)
+    except FileChangedError as exc:
+        LOG.warning("file %s: %s; answering 412", record.file_id, exc)
+        return json_error(412, f"file {record.file_id} changed on disk since the snapshot")
+    try:
+        parse_range(request.headers.get(hdrs.RANGE), record.size_bytes)
+        return SnapshotFileResponse(fd, record, snapshot.abs_path(record))
+    except RangeNotSatisfiable as exc:
+        os.close(fd)
+        return json_error(
+            416,
+            f"file {record.file_id}: {exc}",
+            {hdrs.CONTENT_RANGE: f"bytes */{record.size_bytes}"},
+        )
+    except BaseException:
+        os.close(fd)
+        raise

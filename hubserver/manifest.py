@@ -1,0 +1,309 @@
+"""Scanning the root into a snapshot, and the manifest that describes it.
+
+A snapshot is taken once, at start. Paths are handled as bytes while
+scanning, so the result does not depend on the locale; they are carried as
+``str`` decoded from UTF-8 with ``surrogateescape`` (what ``os.fsdecode``
+gives on a UTF-8 system), so ``os.fsencode`` on the client side turns them
+back into the original bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+
+LOG = logging.getLogger(__name__)
+
+MANIFEST_FORMAT = "cachefs-manifest"
+MANIFEST_FORMAT_VERSION = 1
+
+KIND_DIR = "d"
+KIND_FILE = "f"
+KIND_SYMLINK = "l"
+
+# Opening a file that was swapped for a FIFO or a device must never block or
+# take a controlling terminal; the final component must not be a symlink.
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+class FileChangedError(Exception):
+    """The file on disk is no longer the one recorded in the snapshot."""
+
+
+@dataclass(frozen=True, slots=True)
+class FileRecord:
+    """What the hub needs to serve one regular file of the snapshot."""
+
+    file_id: str
+    version: str
+    path: str  # relative to the root, '/'-separated, surrogateescape
+    size_bytes: int
+    mtime_ns: int
+    ino: int
+    dev: int
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One manifest entry: a directory, a regular file or a symlink."""
+
+    path: str  # relative to the root, '/'-separated; "" is the root
+    kind: str  # KIND_DIR, KIND_FILE or KIND_SYMLINK
+    mode: int  # st_mode & 0o7777
+    mtime_ns: int
+    size_bytes: int  # for a symlink: length of its target
+    link_target: str | None = None  # symlinks only, never resolved
+    file: FileRecord | None = None  # regular files only
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The scanned tree, in manifest order, with its files indexed by id."""
+
+    root: Path  # absolute, symlinks resolved
+    entries: list[Entry]
+    files_by_id: dict[str, FileRecord]
+    generation: str
+    file_count: int
+    total_bytes: int
+    root_bytes: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root_bytes", os.fsencode(self.root))
+
+    def abs_path(self, record: FileRecord) -> bytes:
+        """Absolute path of a file of the snapshot, as bytes."""
+        return self.root_bytes + b"/" + _encode_path(record.path)
+
+
+def _decode_path(raw: bytes) -> str:
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def _encode_path(text: str) -> bytes:
+    return text.encode("utf-8", "surrogateescape")
+
+
+def _xxh3_hex(data: bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def file_id_for(rel_path: bytes) -> str:
+    """The protocol's file id: xxh3_64 of the relative path bytes."""
+    return _xxh3_hex(rel_path)
+
+
+def version_for(st: os.stat_result) -> str:
+    """The protocol's file version: changes with any change of the file."""
+    key = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}"
+    return _xxh3_hex(key.encode("ascii"))
+
+
+def _json_line(obj: dict[str, object]) -> bytes:
+    """One compact NDJSON line.
+
+    ``ensure_ascii=True`` writes lone surrogates (non-UTF-8 names) as
+    ``\\udcXX`` escapes, which any JSON parser accepts and Python's
+    ``json.loads`` turns back into the same ``str``.
+    """
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=True)
+    return text.encode("ascii") + b"\n"
+
+
+def entry_line(entry: Entry) -> bytes:
+    """The manifest line of one entry, newline included."""
+    obj: dict[str, object] = {
+        "p": entry.path,
+        "k": entry.kind,
+        "m": entry.mode,
+        "t": entry.mtime_ns,
+        "s": entry.size_bytes,
+    }
+    if entry.file is not None:
+        obj["i"] = entry.file.file_id
+        obj["v"] = entry.file.version
+    if entry.link_target is not None:
+        obj["l"] = entry.link_target
+    return _json_line(obj)
+
+
+def header_line(snapshot: Snapshot) -> bytes:
+    """The first manifest line: format, generation and entry count."""
+    return _json_line(
+        {
+            "format": MANIFEST_FORMAT,
+            "format_version": MANIFEST_FORMAT_VERSION,
+            "generation": snapshot.generation,
+            "entries": len(snapshot.entries),
+        }
+    )
+
+
+def iter_manifest_lines(snapshot: Snapshot) -> Iterator[bytes]:
+    """Yield the manifest, header first, one NDJSON line (with newline) each."""
+    yield header_line(snapshot)
+    for entry in snapshot.entries:
+        yield entry_line(entry)
+
+
+def _list_dir(path: bytes) -> list[os.DirEntry[bytes]]:
+    """The entries of one directory, sorted by name bytes; raises OSError."""
+    with os.scandir(path) as it:
+        return sorted(it, key=lambda child: child.name)
+
+
+def _walk(root: bytes) -> Iterator[tuple[bytes, os.stat_result]]:
+    """Yield (relative path, lstat) in manifest order, the root first.
+
+    Depth-first, names sorted by bytes, every directory before its children;
+    symlinks are never followed. Unreadable directories are left out with a
+    warning. Raises OSError only if the root itself cannot be listed.
+    """
+    root_stat = os.stat(root)
+    stack = [(b"", iter(_list_dir(root)))]
+    yield b"", root_stat
+    while stack:
+        prefix, children = stack[-1]
+        child = next(children, None)
+        if child is None:
+            stack.pop()
+            continue
+        rel = child.name if not prefix else prefix + b"/" + child.name
+        try:
+            st = child.stat(follow_symlinks=False)
+        except OSError as exc:
+            LOG.warning("skipping %r: cannot stat: %s", _decode_path(rel), exc.strerror)
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            try:
+                grandchildren = _list_dir(child.path)
+            except OSError as exc:
+                LOG.warning("skipping directory %r: cannot list: %s", _decode_path(rel), exc.strerror)
+                continue
+            yield rel, st
+            stack.append((rel, iter(grandchildren)))
+        elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+            yield rel, st
+        else:
+            LOG.debug("skipping special file %r (mode %o)", _decode_path(rel), st.st_mode)
+
+
+def _make_entry(root: bytes, rel: bytes, st: os.stat_result) -> Entry | None:
+    """Build the entry for one scanned path; None if it vanished meanwhile."""
+    path = _decode_path(rel)
+    mode = stat.S_IMODE(st.st_mode)
+    if stat.S_ISDIR(st.st_mode):
+        return Entry(path, KIND_DIR, mode, st.st_mtime_ns, st.st_size)
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            target = os.readlink(root + b"/" + rel)
+        except OSError as exc:
+            LOG.warning("skipping symlink %r: cannot read it: %s", path, exc.strerror)
+            return None
+        return Entry(path, KIND_SYMLINK, mode, st.st_mtime_ns, len(target), link_target=_decode_path(target))
+    record = FileRecord(
+        file_id=file_id_for(rel),
+        version=version_for(st),
+        path=path,
+        size_bytes=st.st_size,
+        mtime_ns=st.st_mtime_ns,
+        ino=st.st_ino,
+        dev=st.st_dev,
+    )
+    return Entry(path, KIND_FILE, mode, st.st_mtime_ns, st.st_size, file=record)
+
+
+def scan(root: Path) -> Snapshot:
+    """Scan ``root`` into a snapshot. Blocking; raises OSError if the root
+    itself cannot be read."""
+    real_root = Path(os.path.realpath(root))
+    root_bytes = os.fsencode(real_root)
+    entries: list[Entry] = []
+    files_by_id: dict[str, FileRecord] = {}
+    hasher = xxhash.xxh3_64()
+    total_bytes = 0
+    for rel, st in _walk(root_bytes):
+        entry = _make_entry(root_bytes, rel, st)
+        if entry is None:
+            continue
+        record = entry.file
+        if record is not None:
+            first = files_by_id.get(record.file_id)
+            if first is not None:
+                LOG.error(
+                    "file id collision: %r and %r both hash to %s; serving only the first",
+                    first.path,
+                    record.path,
+                    record.file_id,
+                )
+                continue
+            files_by_id[record.file_id] = record
+            total_bytes += record.size_bytes
+        hasher.update(entry_line(entry))
+        entries.append(entry)
+    return Snapshot(
+        root=real_root,
+        entries=entries,
+        files_by_id=files_by_id,
+        generation=hasher.hexdigest(),
+        file_count=len(files_by_id),
+        total_bytes=total_bytes,
+    )
+
+
+def _matches(record: FileRecord, st: os.stat_result) -> bool:
+    return (
+        stat.S_ISREG(st.st_mode)
+        and st.st_size == record.size_bytes
+        and st.st_mtime_ns == record.mtime_ns
+        and st.st_ino == record.ino
+        and st.st_dev == record.dev
+    )
+
+
+def _inside_root(snapshot: Snapshot, path: bytes) -> bool:
+    real = os.path.realpath(path)
+    return real.startswith(snapshot.root_bytes.rstrip(b"/") + b"/")
+
+
+def check_unchanged(snapshot: Snapshot, record: FileRecord) -> bool:
+    """True if the file on disk still is the one scanned: a regular file
+    inside the root with the same size, mtime and inode. Blocking."""
+    path = snapshot.abs_path(record)
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return _matches(record, st) and _inside_root(snapshot, path)
+
+
+def open_unchanged(snapshot: Snapshot, record: FileRecord) -> int:
+    """Open a file of the snapshot read-only and return the descriptor.
+
+    The descriptor is checked with ``fstat`` after opening, so what it reads
+    is the very inode that was scanned inside the root, even if the path was
+    swapped meanwhile. Raises FileChangedError otherwise. Blocking.
+    """
+    path = snapshot.abs_path(record)
+    if not _inside_root(snapshot, path):
+        raise FileChangedError(f"{record.path!r} now resolves outside the root")
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        raise FileChangedError(f"{record.path!r} cannot be opened: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        os.close(fd)
+        raise FileChangedError(f"{record.path!r} cannot be checked: {exc.strerror}") from None
+    if not _matches(record, st):
+        os.close(fd)
+        raise FileChangedError(f"{record.path!r} changed on disk since the scan")
+    return fd

@@ -1,0 +1,610 @@
+"""The hub through its real interface: a `python -m hubserver` subprocess on
+loopback, spoken to with the standard library's HTTP client."""
+
+from __future__ import annotations
+
+import gzip
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import stat
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import xxhash
+from hub_helpers import HubProcess, run_hub_cli, running_hub
+
+from hubserver.handlers import iter_gzip_chunks
+
+pytestmark = pytest.mark.timeout(60)
+
+BIG_SIZE = 1024 * 1024 + 123
+NON_UTF8_NAME = b"x-\xff\xfe.bin"
+UNICODE_NAME = "ünïcødé-名前.txt"
+OUTSIDE_FILE = "/etc/passwd"
+OUTSIDE_DIR = "/etc"
+IMMUTABLE = "public, max-age=31536000, immutable"
+
+# The manifest order the protocol prescribes for the tree of `build_tree`:
+# depth-first, names sorted by bytes, directories before their children.
+EXPECTED_ORDER = [
+    "",
+    "big.bin",
+    "dirlink_outside",
+    "empty.bin",
+    "emptydir",
+    "link_inside",
+    "link_outside",
+    "name with spaces.txt",
+    "nested",
+    "nested/deeper",
+    "nested/deeper/leaf.bin",
+    "nested/z.txt",
+    "one.bin",
+    "small.txt",
+    os.fsdecode(NON_UTF8_NAME),
+    UNICODE_NAME,
+]
+
+
+# --------------------------------------------------------------- client side
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def get(hub: HubProcess, path: str, headers: Mapping[str, str] | None = None) -> Reply:
+    """One GET, with the path sent exactly as given (no client normalisation)."""
+    conn = http.client.HTTPConnection(hub.host, hub.port, timeout=10)
+    try:
+        conn.request("GET", path, headers=dict(headers or {}))
+        response = conn.getresponse()
+        body = response.read()
+        headers_ci = {k.lower(): v for k, v in response.getheaders()}
+        return Reply(response.status, headers_ci, body)
+    finally:
+        conn.close()
+
+
+@dataclass
+class Manifest:
+    header: dict[str, Any]
+    entries: list[dict[str, Any]]
+    entry_lines: list[bytes]
+    reply: Reply
+
+    def by_path(self) -> dict[str, dict[str, Any]]:
+        return {str(e["p"]): e for e in self.entries}
+
+
+def fetch_manifest(hub: HubProcess) -> Manifest:
+    reply = get(hub, "/v1/manifest")
+    assert reply.status == 200, reply.body
+    raw = gzip.decompress(reply.body)
+    lines = raw.splitlines(keepends=True)
+    assert all(line.endswith(b"\n") for line in lines)
+    header = json.loads(lines[0])
+    entries = [json.loads(line) for line in lines[1:]]
+    return Manifest(header, entries, lines[1:], reply)
+
+
+def path_bytes(rel: str) -> bytes:
+    return rel.encode("utf-8", "surrogateescape")
+
+
+def file_url(entry: Mapping[str, object], version: bool = True) -> str:
+    url = f"/v1/files/{entry['i']}"
+    return f"{url}?v={entry['v']}" if version else url
+
+
+# --------------------------------------------------------------- the test tree
+
+
+@dataclass
+class Tree:
+    root: Path
+    contents: dict[str, bytes]  # relative path -> bytes, every regular file
+
+
+def build_tree(root: Path) -> dict[str, bytes]:
+    """Create the test tree; return the content of each regular file."""
+    rng = random.Random(1234)
+    contents = {
+        "big.bin": rng.randbytes(BIG_SIZE),
+        "empty.bin": b"",
+        "one.bin": b"\x01",
+        "small.txt": b"hello world\n",
+        "name with spaces.txt": b"spaces are fine\n",
+        UNICODE_NAME: "unicode content ✓\n".encode(),
+        os.fsdecode(NON_UTF8_NAME): b"latin-1 named file\n",
+        "nested/deeper/leaf.bin": rng.randbytes(5000),
+        "nested/z.txt": b"zzz\n",
+    }
+    (root / "nested" / "deeper").mkdir(parents=True)
+    (root / "emptydir").mkdir()
+    for rel, data in contents.items():
+        (root / rel).write_bytes(data)
+    os.chmod(root / "small.txt", 0o640)
+    os.chmod(root / "one.bin", 0o755)
+    os.symlink("small.txt", root / "link_inside")
+    os.symlink(OUTSIDE_FILE, root / "link_outside")
+    os.symlink(OUTSIDE_DIR, root / "dirlink_outside")
+    os.mkfifo(root / "fifo")
+    return contents
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Tree:
+    root = tmp_path_factory.mktemp("tree")
+    return Tree(root, build_tree(root))
+
+
+@pytest.fixture(scope="module")
+def tree_hub(tree: Tree) -> Iterator[HubProcess]:
+    with running_hub(tree.root) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def manifest(tree_hub: HubProcess) -> Manifest:
+    return fetch_manifest(tree_hub)
+
+
+@pytest.fixture()
+def big(manifest: Manifest, tree: Tree) -> tuple[dict[str, Any], bytes]:
+    return manifest.by_path()["big.bin"], tree.contents["big.bin"]
+
+
+# --------------------------------------------------------------- health, manifest
+
+
+def test_healthz_reports_the_snapshot(tree_hub: HubProcess, tree: Tree, manifest: Manifest) -> None:
+    reply = get(tree_hub, "/healthz")
+    assert reply.status == 200
+    assert reply.headers["content-type"].startswith("application/json")
+    contents = tree.contents
+    assert reply.json() == {
+        "status": "ok",
+        "generation": manifest.header["generation"],
+        "files": len(contents),
+        "bytes": sum(len(data) for data in contents.values()),
+    }
+
+
+def test_scan_is_logged_with_counts(tree_hub: HubProcess, tree: Tree, manifest: Manifest) -> None:
+    contents = tree.contents
+    log = tree_hub.stderr_text()
+    total = sum(len(data) for data in contents.values())
+    assert f"{len(contents)} files, {total} bytes" in log
+    assert str(manifest.header["generation"]) in log
+
+
+def test_manifest_is_streamed_gzip_ndjson(manifest: Manifest) -> None:
+    headers = manifest.reply.headers
+    assert headers["content-type"] == "application/x-ndjson"
+    assert headers["content-encoding"] == "gzip"
+    assert headers["transfer-encoding"] == "chunked"
+    assert "content-length" not in headers
+    assert manifest.reply.body[:2] == b"\x1f\x8b"  # compressed once, by us
+
+
+def test_manifest_header(manifest: Manifest) -> None:
+    header = manifest.header
+    assert header["format"] == "cachefs-manifest"
+    assert header["format_version"] == 1
+    assert header["entries"] == len(manifest.entries) == len(EXPECTED_ORDER)
+    assert header["generation"] == xxhash.xxh3_64_hexdigest(b"".join(manifest.entry_lines))
+
+
+def test_manifest_lists_the_tree_in_protocol_order(manifest: Manifest) -> None:
+    assert [e["p"] for e in manifest.entries] == EXPECTED_ORDER
+    assert "fifo" not in manifest.by_path()
+
+
+def test_manifest_entries_match_the_disk(manifest: Manifest, tree: Tree) -> None:
+    root = tree.root
+    for entry in manifest.entries:
+        rel = str(entry["p"])
+        st = os.lstat(os.path.join(os.fsencode(root), path_bytes(rel)) if rel else root)
+        assert entry["m"] == stat.S_IMODE(st.st_mode), rel
+        assert entry["t"] == st.st_mtime_ns, rel
+        assert entry["s"] == st.st_size, rel
+        if stat.S_ISDIR(st.st_mode):
+            assert entry["k"] == "d" and set(entry) == {"p", "k", "m", "t", "s"}, rel
+        elif stat.S_ISLNK(st.st_mode):
+            target = os.readlink(os.path.join(os.fsencode(root), path_bytes(rel)))
+            assert entry["k"] == "l" and entry["l"] == os.fsdecode(target), rel
+            assert "i" not in entry and "v" not in entry, rel
+        else:
+            assert entry["k"] == "f", rel
+            assert entry["i"] == xxhash.xxh3_64_hexdigest(path_bytes(rel)), rel
+            key = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}"
+            assert entry["v"] == xxhash.xxh3_64_hexdigest(key.encode()), rel
+
+
+def test_manifest_names_roundtrip_to_original_bytes(manifest: Manifest, tree: Tree) -> None:
+    root = tree.root
+    names = {path_bytes(str(e["p"])) for e in manifest.entries if "/" not in str(e["p"])}
+    on_disk = set(os.listdir(os.fsencode(root))) - {b"fifo"}
+    assert names - {b""} == on_disk
+    assert NON_UTF8_NAME in names and UNICODE_NAME.encode() in names
+
+
+def test_symlinks_are_listed_not_followed(manifest: Manifest) -> None:
+    entries = manifest.by_path()
+    assert entries["link_inside"]["l"] == "small.txt"
+    assert entries["link_outside"]["l"] == OUTSIDE_FILE
+    assert entries["link_outside"]["s"] == len(OUTSIDE_FILE)
+    assert entries["dirlink_outside"]["k"] == "l"
+    assert not any(str(p).startswith("dirlink_outside/") for p in entries)
+
+
+def test_iter_gzip_chunks_streams_in_pieces() -> None:
+    lines = [
+        json.dumps({"p": f"dir/{n:07d}", "v": xxhash.xxh3_64_hexdigest(str(n).encode())}).encode() + b"\n"
+        for n in range(60000)
+    ]
+    chunks = list(iter_gzip_chunks(iter(lines), chunk_bytes=16 * 1024))
+    assert len(chunks) > 3
+    assert gzip.decompress(b"".join(chunks)) == b"".join(lines)
+
+
+def test_large_manifest_streams_in_many_chunks(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    expected = [""]
+    for d in range(40):
+        directory = f"d{d:02d}"
+        (root / directory).mkdir(parents=True)
+        expected.append(directory)
+        for n in range(100):
+            name = f"{xxhash.xxh3_64_hexdigest(f'{d}/{n}'.encode())}.bin"
+            (root / directory / name).write_bytes(name.encode())
+        expected.extend(sorted(f"{directory}/{name}" for name in os.listdir(root / directory)))
+    with running_hub(root) as hub:
+        conn = http.client.HTTPConnection(hub.host, hub.port, timeout=10)
+        try:
+            conn.request("GET", "/v1/manifest")
+            response = conn.getresponse()
+            pieces = []
+            while piece := response.read1(1 << 20):
+                pieces.append(piece)
+        finally:
+            conn.close()
+    body = b"".join(pieces)
+    assert len(body) > 2 * 64 * 1024  # more than one 64 KiB chunk
+    lines = gzip.decompress(body).splitlines()
+    assert json.loads(lines[0])["entries"] == len(expected) == len(lines) - 1
+    assert [json.loads(line)["p"] for line in lines[1:]] == expected
+
+
+# --------------------------------------------------------------- file data
+
+
+def test_every_served_file_is_the_file_at_its_path(tree_hub: HubProcess, manifest, tree: Tree) -> None:
+    contents = tree.contents
+    files = [e for e in manifest.entries if e["k"] == "f"]
+    assert {e["p"] for e in files} == set(contents)
+    for entry in files:
+        reply = get(tree_hub, file_url(entry))
+        assert reply.status == 200, entry["p"]
+        assert reply.body == contents[str(entry["p"])], entry["p"]
+        assert reply.headers["etag"] == f'"{entry["i"]}-{entry["v"]}"'
+        assert reply.headers["cache-control"] == IMMUTABLE
+        assert reply.headers["accept-ranges"] == "bytes"
+        assert int(reply.headers["content-length"]) == len(contents[str(entry["p"])])
+
+
+def test_whole_file_without_version(tree_hub: HubProcess, big) -> None:
+    entry, data = big
+    reply = get(tree_hub, file_url(entry, version=False))
+    assert reply.status == 200
+    assert reply.body == data
+    assert "content-range" not in reply.headers
+
+
+@pytest.mark.parametrize(
+    ("header", "first", "last"),
+    [
+        ("bytes=0-0", 0, 0),
+        ("bytes=100-4195", 100, 4195),
+        ("bytes=1000-", 1000, BIG_SIZE - 1),
+        ("bytes=-500", BIG_SIZE - 500, BIG_SIZE - 1),
+        (f"bytes={BIG_SIZE - 1}-{BIG_SIZE - 1}", BIG_SIZE - 1, BIG_SIZE - 1),
+        (f"bytes={BIG_SIZE - 10}-{BIG_SIZE + 1000}", BIG_SIZE - 10, BIG_SIZE - 1),
+        (f"bytes=-{BIG_SIZE + 10}", 0, BIG_SIZE - 1),
+        ("bytes=65536-196607", 65536, 196607),
+    ],
+)
+def test_range_gives_206_with_exact_bytes(tree_hub: HubProcess, big, header, first, last) -> None:
+    entry, data = big
+    reply = get(tree_hub, file_url(entry), {"Range": header})
+    assert reply.status == 206, reply.body[:200]
+    assert reply.body == data[first : last + 1]
+    assert reply.headers["content-range"] == f"bytes {first}-{last}/{BIG_SIZE}"
+    assert int(reply.headers["content-length"]) == last - first + 1
+    assert reply.headers["etag"] == f'"{entry["i"]}-{entry["v"]}"'
+    assert reply.headers["cache-control"] == IMMUTABLE
+
+
+def test_conditional_headers_do_not_change_the_answer(tree_hub: HubProcess, big) -> None:
+    entry, data = big
+    headers = {
+        "Range": "bytes=10-19",
+        "If-Match": '"something-else"',
+        "If-None-Match": f'"{entry["i"]}-{entry["v"]}"',
+        "If-Modified-Since": "Fri, 01 Jan 2100 00:00:00 GMT",
+        "Accept-Encoding": "gzip, br",
+    }
+    reply = get(tree_hub, file_url(entry), headers)
+    assert reply.status == 206
+    assert reply.body == data[10:20]
+    assert "content-encoding" not in reply.headers
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        f"bytes={BIG_SIZE}-",
+        f"bytes={BIG_SIZE}-{BIG_SIZE + 5}",
+        "bytes=0-1,5-6",
+        "bytes=0-1, 5-6",
+        "bytes=9-3",
+        "bytes=abc",
+        "bytes=",
+        "bytes=-",
+        "bytes=-0",
+        "bytes=1.5-2",
+        "bytes 0-10",
+        "items=0-5",
+        "garbage",
+    ],
+)
+def test_unsatisfiable_range_gives_416(tree_hub: HubProcess, big, header) -> None:
+    entry, _ = big
+    reply = get(tree_hub, file_url(entry), {"Range": header})
+    assert reply.status == 416
+    assert reply.headers["content-range"] == f"bytes */{BIG_SIZE}"
+    assert set(reply.json()) == {"error"}
+
+
+def test_empty_file(tree_hub: HubProcess, manifest) -> None:
+    entry = manifest.by_path()["empty.bin"]
+    whole = get(tree_hub, file_url(entry))
+    assert (whole.status, whole.body) == (200, b"")
+    ranged = get(tree_hub, file_url(entry), {"Range": "bytes=0-0"})
+    assert ranged.status == 416
+    assert ranged.headers["content-range"] == "bytes */0"
+    suffix = get(tree_hub, file_url(entry), {"Range": "bytes=-5"})
+    assert suffix.status == 416
+
+
+def test_unknown_id_gives_404(tree_hub: HubProcess, manifest) -> None:
+    unknown = "0123456789abcdef"
+    assert unknown not in {e.get("i") for e in manifest.entries}
+    reply = get(tree_hub, f"/v1/files/{unknown}")
+    assert reply.status == 404
+    assert isinstance(reply.json()["error"], str)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/files/xyz",
+        "/v1/files/0123456789ABCDEF",
+        "/v1/files/0123456789abcde",
+        "/v1/files/0123456789abcdef0",
+        "/v1/files/0123456789abcdeg",
+    ],
+)
+def test_malformed_id_gives_400(tree_hub: HubProcess, path: str) -> None:
+    reply = get(tree_hub, path)
+    assert reply.status == 400
+    assert "error" in reply.json()
+
+
+@pytest.mark.parametrize("version", ["zz", "", "0123456789ABCDEF", "0123456789abcdef00"])
+def test_malformed_version_gives_400(tree_hub: HubProcess, big, version: str) -> None:
+    entry, _ = big
+    reply = get(tree_hub, f"/v1/files/{entry['i']}?v={version}")
+    assert reply.status == 400
+
+
+def test_wrong_version_gives_412(tree_hub: HubProcess, big) -> None:
+    entry, _ = big
+    wrong = "0" * 16 if entry["v"] != "0" * 16 else "1" * 16
+    reply = get(tree_hub, f"/v1/files/{entry['i']}?v={wrong}", {"Range": "bytes=0-9"})
+    assert reply.status == 412
+    assert "error" in reply.json()
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/files/..%2f..%2fetc%2fpasswd",
+        "/v1/files/../../etc/passwd",
+        "/v1/files/%2e%2e/%2e%2e/etc/passwd",
+        "/v1/files/..%252f..%252fetc%252fpasswd",
+        "/v1/files/%2e%2e%2f%2e%2e%2f%2e%2e%2fetc%2fpasswd",
+        "/../../../etc/passwd",
+        "/v1/manifest/../../etc/passwd",
+        "/v1/files/link_outside",
+        "/v1/files/dirlink_outside%2fpasswd",
+    ],
+)
+def test_path_traversal_never_serves_outside(tree_hub: HubProcess, path: str) -> None:
+    reply = get(tree_hub, path)
+    assert reply.status in (400, 404), (reply.status, reply.body[:200])
+    assert Path(OUTSIDE_FILE).read_bytes()[:32] not in reply.body
+    assert b"root:" not in reply.body
+    assert set(reply.json()) == {"error"}
+
+
+def test_unknown_route_and_method_give_json_errors(tree_hub: HubProcess) -> None:
+    missing = get(tree_hub, "/v2/nothing")
+    assert missing.status == 404
+    assert set(missing.json()) == {"error"}
+    conn = http.client.HTTPConnection(tree_hub.host, tree_hub.port, timeout=10)
+    try:
+        conn.request("POST", "/v1/manifest", body=b"")
+        response = conn.getresponse()
+        body = response.read()
+    finally:
+        conn.close()
+    assert response.status == 405
+    assert set(json.loads(body)) == {"error"}
+    assert "GET" in (response.getheader("Allow") or "")
+
+
+# --------------------------------------------------------------- changes on disk
+
+
+def test_file_changed_on_disk_gives_412_without_rescan(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    for name in ("grown", "touched", "swapped", "to_symlink", "removed", "kept"):
+        (root / name).write_bytes(name.encode() * 100)
+    with running_hub(root) as hub:
+        entries = fetch_manifest(hub).by_path()
+        with open(root / "grown", "ab") as f:
+            f.write(b"!")
+        os.utime(root / "touched", ns=(1, 1))
+        (root / "swapped.new").write_bytes(b"swapped" * 100)  # same size, new inode
+        os.replace(root / "swapped.new", root / "swapped")
+        os.symlink(OUTSIDE_FILE, root / "to_symlink.new")
+        os.replace(root / "to_symlink.new", root / "to_symlink")
+        (root / "removed").unlink()
+        for name in ("grown", "touched", "swapped", "to_symlink", "removed"):
+            for url in (file_url(entries[name]), file_url(entries[name], version=False)):
+                reply = get(hub, url, {"Range": "bytes=0-99"})
+                assert reply.status == 412, (name, reply.status, reply.body[:100])
+                assert b"root:" not in reply.body
+        kept = get(hub, file_url(entries["kept"]))
+        assert (kept.status, kept.body) == (200, b"kept" * 100)
+
+
+def test_directory_swapped_for_outside_symlink_gives_412(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "passwd").write_bytes(b"inside\n")
+    with running_hub(root) as hub:
+        entry = fetch_manifest(hub).by_path()["etc/passwd"]
+        os.rename(root / "etc", tmp_path / "moved")
+        os.symlink(OUTSIDE_DIR, root / "etc")
+        reply = get(hub, file_url(entry))
+        assert reply.status == 412
+        assert b"root:" not in reply.body
+
+
+def test_generation_is_stable_across_restarts_and_changes_with_the_tree(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    build_tree(root)
+    generations = []
+    for _ in range(2):
+        with running_hub(root) as hub:
+            health = get(hub, "/healthz").json()
+            generations.append(fetch_manifest(hub).header["generation"])
+            assert health["generation"] == generations[-1]
+    assert generations[0] == generations[1]
+    (root / "nested" / "new.txt").write_bytes(b"new")
+    with running_hub(root) as hub:
+        changed = fetch_manifest(hub).header["generation"]
+    assert changed != generations[0]
+    os.utime(root / "small.txt", ns=(5, 5))
+    with running_hub(root) as hub:
+        touched = fetch_manifest(hub).header["generation"]
+    assert touched not in (changed, generations[0])
+
+
+# --------------------------------------------------------------- CLI and lifecycle
+
+
+def assert_one_line_error(result, needle: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("cachefs-hub: error: "), lines[0]
+    assert needle in lines[0], lines[0]
+    assert result.stdout == ""
+
+
+def test_cli_missing_root(tmp_path: Path) -> None:
+    result = run_hub_cli(["serve", "--root", tmp_path / "nope", "--listen", "127.0.0.1:0"])
+    assert_one_line_error(result, "does not exist")
+
+
+def test_cli_root_not_a_directory(tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"x")
+    result = run_hub_cli(["serve", "--root", tmp_path / "file", "--listen", "127.0.0.1:0"])
+    assert_one_line_error(result, "not a directory")
+
+
+def test_cli_port_in_use(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_hub_cli(["serve", "--root", tmp_path, "--listen", f"127.0.0.1:{port}"])
+    assert_one_line_error(result, "address already in use")
+
+
+def test_cli_address_not_on_this_machine(tmp_path: Path) -> None:
+    # 192.0.2.0/24 is reserved for documentation: never a local address.
+    # Binding fails locally; nothing is sent anywhere.
+    result = run_hub_cli(["serve", "--root", tmp_path, "--listen", "192.0.2.1:0"])
+    assert_one_line_error(result, "cannot listen on 192.0.2.1:0")
+
+
+@pytest.mark.parametrize(
+    "listen",
+    ["nonsense", "127.0.0.1:", "127.0.0.1:99999", "127.0.0.1:http", ":8470", "::1:80", "127.0.0.1:-1", "127.0.0.1:80 "],
+)
+def test_cli_malformed_listen(tmp_path: Path, listen: str) -> None:
+    result = run_hub_cli(["serve", "--root", tmp_path, "--listen", listen])
+    assert_one_line_error(result, "listen address")
+    assert result.returncode == 2
+
+
+def test_cli_missing_root_option() -> None:
+    result = run_hub_cli(["serve"])
+    assert_one_line_error(result, "--root")
+
+
+def test_cli_help_describes_serve() -> None:
+    result = run_hub_cli(["serve", "--help"])
+    assert result.returncode == 0
+    for needle in ("--root", "--listen", "--log-level", "127.0.0.1:8470", "port 0"):
+        assert needle in result.stdout
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_promptly_with_exit_0(tmp_path: Path, signum: signal.Signals) -> None:
+    (tmp_path / "f").write_bytes(b"data")
+    with running_hub(tmp_path) as hub:
+        idle = http.client.HTTPConnection(hub.host, hub.port, timeout=10)
+        idle.request("GET", "/healthz")  # keep-alive connection left open
+        assert idle.getresponse().read()
+        started = time.monotonic()
+        hub.proc.send_signal(signum)
+        returncode = hub.proc.wait(timeout=5)
+        elapsed_s = time.monotonic() - started
+        idle.close()
+    assert returncode == 0
+    assert elapsed_s < 5
+    assert "Traceback" not in hub.stderr_text()
+    with pytest.raises(OSError):
+        socket.create_connection((hub.host, hub.port), timeout=2).close()
