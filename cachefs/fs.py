@@ -77,6 +77,10 @@ class CachefsOperations(pyfuse3.Operations):
         self._stats_json = stats_json
         self._handles: dict[int, OpenFile] = {}
         self._next_handle = 1
+        self.initialized = False  # set once the kernel's FUSE_INIT was answered
+
+    def init(self) -> None:
+        self.initialized = True
 
     # -- metadata ---------------------------------------------------------------
 

@@ -33,6 +33,7 @@ class _Connection:
     def __init__(self, stream: trio.SocketStream) -> None:
         self.stream = stream
         self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=64 * 1024)
+        self._body_bypassed = False
 
     async def send(self, event: h11.Request | h11.EndOfMessage) -> None:
         data = self.h11.send(event)
@@ -50,8 +51,48 @@ class _Connection:
                 raise HubUnavailable(f"hub sent nothing for {read_timeout_s:g} s")
             self.h11.receive_data(chunk)
 
+    async def read_body_into(self, buffer: bytearray, read_timeout_s: float) -> int:
+        """Read a Content-Length body straight into `buffer`; returns the bytes read.
+
+        h11 parses the head; the body bypasses it: what h11 already buffered
+        is copied out, the rest goes from the socket into `buffer` with
+        recv_into. This saves three copies per block, the client's main cost.
+        Afterwards the connection gets a fresh h11 state for the next request.
+        """
+        view = memoryview(buffer)
+        filled = 0
+        while filled < len(buffer):
+            event = self.h11.next_event()
+            if event is h11.NEED_DATA:
+                break
+            if isinstance(event, h11.EndOfMessage):
+                break
+            if not isinstance(event, h11.Data) or filled + len(event.data) > len(buffer):
+                raise HubProtocolError("unexpected data in response body")
+            view[filled : filled + len(event.data)] = event.data
+            filled += len(event.data)
+        while filled < len(buffer):
+            with trio.move_on_after(read_timeout_s) as scope:
+                received = await self.stream.socket.recv_into(view[filled:])
+            if scope.cancelled_caught:
+                raise HubUnavailable(f"hub sent nothing for {read_timeout_s:g} s")
+            if received == 0:
+                break
+            filled += received
+        self._body_bypassed = True
+        return filled
+
     def reusable(self) -> bool:
+        if self._body_bypassed:
+            return True
         return self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
+
+    def start_next_cycle(self) -> None:
+        if self._body_bypassed:
+            self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=64 * 1024)
+            self._body_bypassed = False
+        else:
+            self.h11.start_next_cycle()
 
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True):
@@ -106,13 +147,15 @@ class HubClient:
                 raise RemoteFileChanged(f"file {file_id} changed on the hub (412)")
             await self._expect(response, conn, 206)
             _check_content_range(response.headers.get(b"content-range", b""), start, length)
-            data = bytearray()
-            async for chunk in self._body(conn):
-                data += chunk
-                if len(data) > length:
-                    raise HubProtocolError(f"hub sent more than {length} bytes for file {file_id}")
-        if len(data) != length:
-            raise HubProtocolError(f"hub sent {len(data)} of {length} bytes for file {file_id} at {start}")
+            if response.headers.get(b"content-length") != str(length).encode():
+                raise HubProtocolError(f"hub answered {start}+{length} of file {file_id} without a matching Content-Length")
+            data = bytearray(length)
+            try:
+                received = await conn.read_body_into(data, self._read_timeout_s)
+            except OSError as exc:
+                raise HubUnavailable(f"connection to hub {self.url} failed: {exc}") from None
+        if received != length:
+            raise HubProtocolError(f"hub sent {received} of {length} bytes for file {file_id} at {start}")
         return bytes(data)
 
     async def manifest_lines(self) -> AsyncIterator[bytes]:
@@ -230,7 +273,7 @@ class _RequestContext:
         try:
             if conn is not None:
                 if exc_type is None and conn.reusable():
-                    conn.h11.start_next_cycle()
+                    conn.start_next_cycle()
                     self._client._idle.append(conn)
                 else:
                     await conn.aclose()

@@ -1,0 +1,1 @@
+"""Benchmarks and the WAN emulator they (and the tests) use."""
