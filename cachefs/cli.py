@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     unmount.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path)
     unmount.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS", help="wait this long for the daemon to exit (default: 30)")
 
+    bench = commands.add_parser(
+        "bench", help="measure read workloads on any directory (run `cachefs bench --help`)", add_help=False
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+
     stats = commands.add_parser("stats", help="show cache statistics of a mount")
     stats.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path)
     stats.add_argument("--json", action="store_true", help="machine-readable output")
@@ -68,6 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _mount(args, list(sys.argv[1:] if argv is None else argv))
         if args.command in ("unmount", "umount"):
             return _unmount(args)
+        if args.command == "bench":
+            from .bench.cli import main as bench_main
+
+            return bench_main(args.bench_args)
         return _stats(args)
     except CachefsError as exc:
         print(f"cachefs: error: {exc}", file=sys.stderr)
