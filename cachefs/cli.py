@@ -41,7 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument("--cache-size", default="10G", help="upper bound for cached block bytes (default: 10G)")
     mount.add_argument("--block-size", default="1M", help="cache block size, a power of two from 64K to 64M (default: 1M)")
     mount.add_argument("--max-connections", type=int, default=16, help="concurrent connections to the hub (default: 16)")
-    mount.add_argument("--readahead-blocks", type=int, default=8, help="blocks fetched ahead of a sequential reader (default: 8)")
+    mount.add_argument(
+        "--readahead-blocks", type=int, default=64,
+        help="largest read-ahead window of a sequential reader, in blocks; 0 disables read-ahead (default: 64)",
+    )
+    mount.add_argument(
+        "--prefetch-siblings", type=int, default=32, metavar="N",
+        help="opening a small file prefetches the next N files of its directory; 0 disables (default: 32)",
+    )
     mount.add_argument(
         "--fetch-timeout", type=float, default=30.0, metavar="SECONDS",
         help="a read needing the hub fails with EIO after this long, retries included (default: 30)",
@@ -92,8 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _config_from_args(args: argparse.Namespace) -> MountConfig:
     if args.max_connections < 1:
         raise UsageError("--max-connections must be at least 1")
-    if args.readahead_blocks < 0:
-        raise UsageError("--readahead-blocks must not be negative")
+    if args.readahead_blocks < 0 or args.prefetch_siblings < 0:
+        raise UsageError("--readahead-blocks and --prefetch-siblings must not be negative")
     if args.fetch_timeout <= 0:
         raise UsageError("--fetch-timeout must be positive")
     return MountConfig(
@@ -104,6 +111,7 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
         block_size_bytes=validate_block_size(parse_size(args.block_size)),
         max_connections=args.max_connections,
         readahead_blocks=args.readahead_blocks,
+        sibling_prefetch_files=args.prefetch_siblings,
         fetch_timeout_s=args.fetch_timeout,
         foreground=args.foreground,
         debug=args.debug,

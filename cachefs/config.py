@@ -101,11 +101,19 @@ class MountConfig:
     # How long the hub may stay silent within one response before the
     # attempt is abandoned and retried.
     read_timeout_s: float = 15.0
-    # Blocks read ahead of a sequential reader (per open file).
-    readahead_blocks: int = 8
+    # Largest read-ahead window per sequential reader, in blocks: 64 x 1 MiB
+    # is the bandwidth-delay product of 1 GB/s at 60 ms RTT.
+    readahead_blocks: int = 64
+    # Read-ahead may hold this many of the connections; the rest stay free
+    # for demand misses, which so never queue behind read-ahead.
+    prefetch_connections: int = 12
+    # Opening a small file prefetches this many files after it in its
+    # directory: a directory-order walk then costs a round trip per batch,
+    # not per file.
+    sibling_prefetch_files: int = 32
     # Freshly used blocks kept in daemon memory, so the kernel's smaller
     # read requests into one block cost one disk read, not several.
-    memory_blocks: int = 32
+    memory_blocks: int = 16
     # Seconds the kernel may cache names and attributes: a mount shows one
     # immutable snapshot, so these can be long.
     attr_timeout_s: float = 3600.0

@@ -71,7 +71,7 @@ def tune_malloc() -> None:
         return
     m_trim_threshold, m_mmap_threshold = -1, -3
     libc.mallopt(m_mmap_threshold, 64 * 1024 * 1024)
-    libc.mallopt(m_trim_threshold, 256 * 1024 * 1024)
+    libc.mallopt(m_trim_threshold, 32 * 1024 * 1024)
 
 
 def run_daemon(config: MountConfig, notify: Notify) -> int:
@@ -110,17 +110,26 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
     namespace = Namespace(db)
     await _sync_manifest(client, db, namespace, config)
     cache = BlockCache(db, config.cache_dir, config.cache_size_bytes, stats)
-    fetcher = Fetcher(client, cache, stats, config.fetch_timeout_s)
+    fetcher = Fetcher(
+        client,
+        cache,
+        stats,
+        fetch_timeout_s=config.fetch_timeout_s,
+        prefetch_connections=min(config.prefetch_connections, max(1, config.max_connections - 4)),
+    )
     mounted = False
     try:
         async with trio.open_nursery() as nursery:
+            await nursery.start(fetcher.run_writer)
             reader = Reader(
+                namespace,
                 cache,
                 fetcher,
                 stats,
                 block_size=config.block_size_bytes,
                 memory_blocks=config.memory_blocks,
                 readahead_blocks=config.readahead_blocks,
+                sibling_prefetch_files=config.sibling_prefetch_files,
                 nursery=nursery,
             )
             operations = CachefsOperations(

@@ -1,19 +1,29 @@
-"""Fetch blocks from the hub: single-flight, bounded retries, then into the cache.
+"""Fetch blocks from the hub: single-flight, priorities, bounded retries, group-committed caching.
 
-Concurrent misses of one block share one request. A fetch retries
-connection failures, timeouts, truncated bodies and 5xx answers with
-exponential backoff and jitter until `fetch_timeout_s` has passed, then
-fails; it never waits longer than that.
+Every block being fetched has a *flight*; concurrent readers of it wait on
+the same flight, so a block is requested once. A run of contiguous blocks
+(read-ahead) is fetched with one ranged request. Fetches retry connection
+failures, timeouts, truncated bodies and 5xx answers with exponential
+backoff and jitter until `fetch_timeout_s` has passed, then fail.
+
+Read-ahead uses at most `prefetch_connections` connections, so demand
+misses always find one free.
+
+Fetched blocks are handed to readers at once and written to the cache by a
+single writer task that commits them in batches (one fsync per batch, not
+per block); a flight stays visible until its block is committed, so no
+reader fetches a block that is on its way to disk.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Sequence
 
 import trio
 
-from .cache import BlockCache, BlockKey
+from .cache import BlockCache, BlockData, BlockKey
 from .errors import HubError, HubProtocolError, HubStatusError, HubUnavailable, RemoteFileChanged
 from .hub_client import HubClient
 from .metrics import Stats
@@ -22,55 +32,115 @@ log = logging.getLogger(__name__)
 
 FIRST_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 5.0
+# Blocks waiting to be written: 16 x 1 MiB bounds the memory a slow disk can
+# take; a full queue makes fetchers wait (backpressure), never drops data.
+WRITE_QUEUE_BLOCKS = 16
+WRITE_BATCH_BLOCKS = 16
 
 
 class _Flight:
-    """One block being fetched; followers wait on `done`."""
+    """One block being fetched (and then written); waiters use `done`."""
 
     def __init__(self) -> None:
         self.done = trio.Event()
-        self.data: bytes | None = None
+        self.data: BlockData | None = None
         self.error: HubError | None = None
+
+    async def result(self) -> BlockData:
+        await self.done.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.data is not None
+        return self.data
 
 
 class Fetcher:
-    """Gets blocks from the hub and stores them in the cache."""
+    """Gets blocks from the hub and hands them to the cache writer."""
 
-    def __init__(self, client: HubClient, cache: BlockCache, stats: Stats, fetch_timeout_s: float) -> None:
+    def __init__(
+        self,
+        client: HubClient,
+        cache: BlockCache,
+        stats: Stats,
+        *,
+        fetch_timeout_s: float,
+        prefetch_connections: int,
+    ) -> None:
         self._client = client
         self._cache = cache
         self._stats = stats
         self._fetch_timeout_s = fetch_timeout_s
         self._flights: dict[BlockKey, _Flight] = {}
+        self.prefetch_slots = trio.CapacityLimiter(max(1, prefetch_connections))
+        self._write_send, self._write_receive = trio.open_memory_channel[tuple[BlockKey, BlockData]](WRITE_QUEUE_BLOCKS)
 
-    def in_flight(self, key: BlockKey) -> bool:
-        return key in self._flights
+    def flight(self, key: BlockKey) -> _Flight | None:
+        """The block's flight if it is being fetched or written."""
+        return self._flights.get(key)
 
-    async def fetch(self, key: BlockKey, start: int, length: int) -> bytes:
-        """The block's bytes from the hub (raises HubError when it cannot be had in time)."""
+    async def fetch(self, key: BlockKey, start: int, length: int) -> BlockData:
+        """A demand miss: the block's bytes (raises HubError when they cannot be had in time)."""
         flight = self._flights.get(key)
         if flight is not None:
-            await flight.done.wait()
-            if flight.error is not None:
-                raise flight.error
-            assert flight.data is not None
-            return flight.data
+            return await flight.result()
         flight = self._flights[key] = _Flight()
-        try:
-            flight.data = await self._fetch_with_retries(key, start, length)
-            await trio.to_thread.run_sync(self._cache.insert, key, flight.data)
-            return flight.data
-        except HubError as exc:
-            flight.error = exc
-            raise
-        except BaseException:
-            flight.error = HubUnavailable(f"fetch of {key} was cancelled")
-            raise
-        finally:
-            del self._flights[key]
-            flight.done.set()
+        await self._run([key], [flight], start, [length])
+        return await flight.result()
 
-    async def _fetch_with_retries(self, key: BlockKey, start: int, length: int) -> bytes:
+    async def prefetch(self, keys: Sequence[BlockKey], start: int, lengths: Sequence[int]) -> None:
+        """Fetch contiguous blocks with one request, at read-ahead priority.
+
+        The caller holds one of `prefetch_slots` and has filtered out blocks
+        that are cached or in flight. Failures settle the flights (a reader
+        then retries on demand) and are not raised.
+        """
+        flights = []
+        for key in keys:
+            if key in self._flights:
+                raise ValueError(f"{key} is already in flight")
+            flights.append(self._flights.setdefault(key, _Flight()))
+        await self._run(list(keys), flights, start, list(lengths))
+
+    async def _run(self, keys: list[BlockKey], flights: list[_Flight], start: int, lengths: list[int]) -> None:
+        """Fetch keys[0..n] (contiguous, starting at `start`) and settle their flights."""
+        try:
+            pieces = await self._fetch_with_retries(keys[0], start, lengths)
+        except HubError as exc:
+            self._fail(keys, flights, exc)
+            return
+        except BaseException:
+            self._fail(keys, flights, HubUnavailable(f"fetch of {keys[0]} was cancelled"))
+            raise
+        for key, flight, data in zip(keys, flights, pieces, strict=True):
+            flight.data = data
+            flight.done.set()
+            await self._write_send.send((key, data))
+
+    def _fail(self, keys: list[BlockKey], flights: list[_Flight], error: HubError) -> None:
+        for key, flight in zip(keys, flights, strict=True):
+            flight.error = error
+            flight.done.set()
+            if self._flights.get(key) is flight:
+                del self._flights[key]
+
+    async def run_writer(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Background task: commit fetched blocks to the cache in batches."""
+        task_status.started()
+        async with self._write_receive:
+            async for first in self._write_receive:
+                batch = [first]
+                while len(batch) < WRITE_BATCH_BLOCKS:
+                    try:
+                        batch.append(self._write_receive.receive_nowait())
+                    except trio.WouldBlock:
+                        break
+                try:
+                    await trio.to_thread.run_sync(self._cache.insert_many, batch)
+                finally:
+                    for key, _data in batch:
+                        self._flights.pop(key, None)
+
+    async def _fetch_with_retries(self, key: BlockKey, start: int, lengths: list[int]) -> list[bytearray]:
         deadline = trio.current_time() + self._fetch_timeout_s
         backoff_s = FIRST_BACKOFF_S
         attempt = 0
@@ -78,10 +148,10 @@ class Fetcher:
             attempt += 1
             try:
                 with trio.fail_after(max(0.0, deadline - trio.current_time())):
-                    data = await self._client.get_range(key.file_id.hex(), key.version.hex(), start, length)
+                    pieces = await self._client.get_range(key.file_id.hex(), key.version.hex(), start, lengths)
                 self._stats.fetches += 1
-                self._stats.fetched_bytes += len(data)
-                return data
+                self._stats.fetched_bytes += sum(lengths)
+                return pieces
             except trio.TooSlowError:
                 error: HubError = HubUnavailable(f"hub did not deliver {key} within {self._fetch_timeout_s:g} s")
             except (HubUnavailable, HubProtocolError) as exc:

@@ -182,6 +182,7 @@ class CachefsOperations(pyfuse3.Operations):
         handle_id = self._next_handle
         self._next_handle += 1
         self._handles[handle_id] = OpenFile(entry)
+        self._reader.prefetch_siblings(entry)
         # The snapshot's bytes never change under this mount: keep the page cache.
         return pyfuse3.FileInfo(fh=handle_id, keep_cache=True)
 
@@ -201,7 +202,9 @@ class CachefsOperations(pyfuse3.Operations):
 
     @_guarded
     async def release(self, fh: int) -> None:
-        self._handles.pop(fh, None)
+        handle = self._handles.pop(fh, None)
+        if handle is not None:
+            handle.closed = True  # read-ahead not yet started for it is dropped
 
     @_guarded
     async def flush(self, fh: int) -> None:

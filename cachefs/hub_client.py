@@ -12,7 +12,7 @@ import json
 import logging
 import re
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import h11
@@ -24,6 +24,9 @@ from .errors import HubProtocolError, HubStatusError, HubUnavailable, RemoteFile
 log = logging.getLogger(__name__)
 
 RECEIVE_BYTES = 1 << 20  # receive up to 1 MiB per syscall: fewer wakeups per block
+# A response head is read in small receives, so that little of the body
+# lands in h11's buffer (bodies of ranges bypass it).
+RECEIVE_HEAD_BYTES = 16 * 1024
 _CONTENT_RANGE_RE = re.compile(rb"^bytes (\d+)-(\d+)/(\d+)$")
 
 
@@ -40,47 +43,61 @@ class _Connection:
         if data:
             await self.stream.send_all(data)
 
-    async def next_event(self, read_timeout_s: float) -> Any:
+    async def next_event(self, read_timeout_s: float, receive_bytes: int = RECEIVE_BYTES) -> Any:
         while True:
             event = self.h11.next_event()
             if event is not h11.NEED_DATA:
                 return event
             with trio.move_on_after(read_timeout_s) as scope:
-                chunk = await self.stream.receive_some(RECEIVE_BYTES)
+                chunk = await self.stream.receive_some(receive_bytes)
             if scope.cancelled_caught:
                 raise HubUnavailable(f"hub sent nothing for {read_timeout_s:g} s")
             self.h11.receive_data(chunk)
 
-    async def read_body_into(self, buffer: bytearray, read_timeout_s: float) -> int:
-        """Read a Content-Length body straight into `buffer`; returns the bytes read.
+    async def read_body_into(self, buffers: list[bytearray], read_timeout_s: float) -> int:
+        """Read a Content-Length body straight into `buffers`, in order; returns the bytes read.
 
         h11 parses the head; the body bypasses it: what h11 already buffered
-        is copied out, the rest goes from the socket into `buffer` with
+        is copied out, the rest goes from the socket into the buffers with
         recv_into. This saves three copies per block, the client's main cost.
         Afterwards the connection gets a fresh h11 state for the next request.
         """
-        view = memoryview(buffer)
-        filled = 0
-        while filled < len(buffer):
-            event = self.h11.next_event()
-            if event is h11.NEED_DATA:
-                break
-            if isinstance(event, h11.EndOfMessage):
-                break
-            if not isinstance(event, h11.Data) or filled + len(event.data) > len(buffer):
-                raise HubProtocolError("unexpected data in response body")
-            view[filled : filled + len(event.data)] = event.data
-            filled += len(event.data)
-        while filled < len(buffer):
-            with trio.move_on_after(read_timeout_s) as scope:
-                received = await self.stream.socket.recv_into(view[filled:])
-            if scope.cancelled_caught:
-                raise HubUnavailable(f"hub sent nothing for {read_timeout_s:g} s")
-            if received == 0:
-                break
-            filled += received
         self._body_bypassed = True
-        return filled
+        buffered = self._drain_h11_body()
+        total = 0
+        for buffer in buffers:
+            view = memoryview(buffer)
+            filled = 0
+            while buffered and filled < len(buffer):
+                piece = buffered.pop(0)
+                taken = min(len(piece), len(buffer) - filled)
+                view[filled : filled + taken] = piece[:taken]
+                if taken < len(piece):
+                    buffered.insert(0, piece[taken:])
+                filled += taken
+            while filled < len(buffer):
+                with trio.move_on_after(read_timeout_s) as scope:
+                    received = await self.stream.socket.recv_into(view[filled:])
+                if scope.cancelled_caught:
+                    raise HubUnavailable(f"hub sent nothing for {read_timeout_s:g} s")
+                if received == 0:
+                    return total + filled
+                filled += received
+            total += filled
+        if buffered:
+            raise HubProtocolError("hub sent more body than its Content-Length")
+        return total
+
+    def _drain_h11_body(self) -> list[bytes]:
+        """Body bytes h11 received together with the head."""
+        pieces: list[bytes] = []
+        while True:
+            event = self.h11.next_event()
+            if event is h11.NEED_DATA or isinstance(event, h11.EndOfMessage):
+                return pieces
+            if not isinstance(event, h11.Data):
+                raise HubProtocolError(f"unexpected {type(event).__name__} in response body")
+            pieces.append(bytes(event.data))
 
     def reusable(self) -> bool:
         if self._body_bypassed:
@@ -138,8 +155,13 @@ class HubClient:
                 body += chunk
         return parse_json(bytes(body))
 
-    async def get_range(self, file_id: str, version: str, start: int, length: int) -> bytes:
-        """Bytes [start, start+length) of one file version; exactly that many or an error."""
+    async def get_range(self, file_id: str, version: str, start: int, lengths: Sequence[int]) -> list[bytearray]:
+        """Bytes from `start` of one file version, as consecutive pieces of `lengths` bytes.
+
+        One request; exactly those bytes or an error. Receiving into one
+        buffer per piece (a block, for the cache) avoids copying them apart.
+        """
+        length = sum(lengths)
         target = f"/v1/files/{file_id}?v={version}"
         headers = [(b"Range", f"bytes={start}-{start + length - 1}".encode())]
         async with self._request(target, headers) as (response, conn):
@@ -149,14 +171,14 @@ class HubClient:
             _check_content_range(response.headers.get(b"content-range", b""), start, length)
             if response.headers.get(b"content-length") != str(length).encode():
                 raise HubProtocolError(f"hub answered {start}+{length} of file {file_id} without a matching Content-Length")
-            data = bytearray(length)
+            pieces = [bytearray(piece_length) for piece_length in lengths]
             try:
-                received = await conn.read_body_into(data, self._read_timeout_s)
+                received = await conn.read_body_into(pieces, self._read_timeout_s)
             except OSError as exc:
                 raise HubUnavailable(f"connection to hub {self.url} failed: {exc}") from None
-        if received != length:
-            raise HubProtocolError(f"hub sent {received} of {length} bytes for file {file_id} at {start}")
-        return bytes(data)
+            if received != length:
+                raise HubProtocolError(f"hub sent {received} of {length} bytes for file {file_id} at {start}")
+        return pieces
 
     async def manifest_lines(self) -> AsyncIterator[bytes]:
         """Stream the manifest's NDJSON lines (header first), gunzipped, unparsed."""
@@ -210,7 +232,7 @@ class HubClient:
             try:
                 await conn.send(request)
                 await conn.send(h11.EndOfMessage())
-                event = await conn.next_event(self._read_timeout_s)
+                event = await conn.next_event(self._read_timeout_s, RECEIVE_HEAD_BYTES)
                 if not isinstance(event, h11.Response):
                     raise HubProtocolError(f"unexpected reply from hub: {type(event).__name__}")
             except Exception as exc:

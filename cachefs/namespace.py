@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import itertools
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ ROOT_INODE = 1
 KIND_DIR, KIND_FILE, KIND_SYMLINK = 1, 2, 3
 _KINDS = {"d": KIND_DIR, "f": KIND_FILE, "l": KIND_SYMLINK}
 
-_ATTRS = struct.Struct(">BHqQQ")  # kind, mode, mtime_ns, size, parent inode
+_ATTRS = struct.Struct(">BHqQQI")  # kind, mode, mtime_ns, size, parent inode, position in parent
 _INO = struct.Struct(">Q")
 _POS = struct.Struct(">I")
 
@@ -43,6 +44,7 @@ class Inode:
     mtime_ns: int
     size: int
     parent: int
+    position: int = 0  # index among the parent's entries, in manifest order
     file_id: bytes = b""  # files: 8-byte hub id
     version: bytes = b""  # files: 8-byte content version
     target: bytes = b""  # symlinks: the link target
@@ -64,16 +66,16 @@ class ManifestSummary:
 
 
 def _pack_inode(inode: Inode) -> bytes:
-    head = _ATTRS.pack(inode.kind, inode.mode, inode.mtime_ns, inode.size, inode.parent)
+    head = _ATTRS.pack(inode.kind, inode.mode, inode.mtime_ns, inode.size, inode.parent, inode.position)
     return head + inode.file_id + inode.version + inode.target
 
 
 def _unpack_inode(ino: int, data: bytes) -> Inode:
-    kind, mode, mtime_ns, size, parent = _ATTRS.unpack_from(data)
+    kind, mode, mtime_ns, size, parent, position = _ATTRS.unpack_from(data)
     rest = data[_ATTRS.size :]
     if kind == KIND_FILE:
-        return Inode(ino, kind, mode, mtime_ns, size, parent, rest[:8], rest[8:16])
-    return Inode(ino, kind, mode, mtime_ns, size, parent, target=bytes(rest))
+        return Inode(ino, kind, mode, mtime_ns, size, parent, position, rest[:8], rest[8:16])
+    return Inode(ino, kind, mode, mtime_ns, size, parent, position, target=bytes(rest))
 
 
 class Namespace:
@@ -111,6 +113,10 @@ class Namespace:
                 data = txn.get(value[:8], db=self._db.inodes)
                 if data is not None:
                     yield position + 1, value[8:], _unpack_inode(ino, data)
+
+    def siblings_after(self, inode: Inode, count: int) -> list[Inode]:
+        """Up to `count` entries that follow `inode` in its directory."""
+        return [child for _next, _name, child in itertools.islice(self.readdir(inode.parent, inode.position + 1), count)]
 
     def summary(self) -> ManifestSummary | None:
         with self._db.env.begin(db=self._db.meta) as txn:
@@ -167,6 +173,7 @@ def _write_entries(txn: lmdb.Transaction, db: Database, lines: Iterator[dict[str
             name = os.fsencode(path.rpartition("/")[2])
             position = next_position.get(inode.parent, 0)
             next_position[inode.parent] = position + 1
+            inode = dataclasses.replace(inode, position=position)
             key = _INO.pack(inode.parent)
             txn.put(key + name, _INO.pack(inode.ino), db=db.names)
             txn.put(key + _POS.pack(position), _INO.pack(inode.ino) + name, db=db.dirents)

@@ -206,13 +206,14 @@ def test_cache_stays_under_its_size_limit(hub, dataset: Path, tmp_path: Path) ->
 def test_corrupt_cached_block_is_dropped_and_refetched(hub, dataset: Path, tmp_path: Path) -> None:
     cache_dir = tmp_path / "cache"
     relative = "shards/shard-002.bin"
-    with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS, cache_dir=cache_dir) as spoke:
+    args = (*SPOKE_ARGS, "--prefetch-siblings", "0")  # exactly one block gets cached
+    with mounted_spoke(hub.url, tmp_path, args, cache_dir=cache_dir) as spoke:
         assert (spoke.mountpoint / relative).read_bytes() == (dataset / relative).read_bytes()
     [block_file] = [f for f in (cache_dir / "blocks").rglob("*") if f.is_file()]
     data = bytearray(block_file.read_bytes())
     data[1000] ^= 0xFF
     block_file.write_bytes(bytes(data))
-    with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS, cache_dir=cache_dir) as spoke:
+    with mounted_spoke(hub.url, tmp_path, args, cache_dir=cache_dir) as spoke:
         assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
         stats = spoke.stats()
         assert stats["corrupt_blocks"] == 1

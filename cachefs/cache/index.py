@@ -34,19 +34,24 @@ class BlockIndex:
             value = txn.get(key.packed())
         return IndexEntry(*_ENTRY.unpack(value)) if value is not None else None
 
-    def add(self, key: BlockKey, length: int, checksum: int) -> None:
-        """Record a block whose data is already on disk (the commit comes last)."""
-        packed = key.packed()
+    def add(self, entries: list[tuple[BlockKey, int, int]]) -> None:
+        """Record blocks (key, length, checksum) whose data is already on disk.
+
+        One transaction, so one fsync for the whole batch; it is committed only
+        after the block files were written.
+        """
         with self._db.env.begin(write=True) as txn:
-            old = txn.get(packed, db=self._db.blocks)
-            if old is not None:
-                self._forget(txn, packed, IndexEntry(*_ENTRY.unpack(old)))
-            seq = _counter(txn, self._db, _NEXT_SEQ)
-            txn.put(_NEXT_SEQ, _SEQ.pack(seq + 1), db=self._db.meta)
-            txn.put(packed, _ENTRY.pack(length, checksum, seq), db=self._db.blocks)
-            txn.put(_SEQ.pack(seq), packed, db=self._db.fifo)
-            _bump(txn, self._db, _USED, length)
-            _bump(txn, self._db, _COUNT, 1)
+            for key, length, checksum in entries:
+                packed = key.packed()
+                old = txn.get(packed, db=self._db.blocks)
+                if old is not None:
+                    self._forget(txn, packed, IndexEntry(*_ENTRY.unpack(old)))
+                seq = _counter(txn, self._db, _NEXT_SEQ)
+                txn.put(_NEXT_SEQ, _SEQ.pack(seq + 1), db=self._db.meta)
+                txn.put(packed, _ENTRY.pack(length, checksum, seq), db=self._db.blocks)
+                txn.put(_SEQ.pack(seq), packed, db=self._db.fifo)
+                _bump(txn, self._db, _USED, length)
+                _bump(txn, self._db, _COUNT, 1)
 
     def remove(self, key: BlockKey) -> int:
         """Drop a block's entry; returns the bytes it accounted for (0 if absent)."""

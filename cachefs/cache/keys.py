@@ -7,6 +7,10 @@ import struct
 
 _KEY = struct.Struct(">8s8sI")
 
+# A block's bytes: bytes when read from disk, bytearray when received from
+# the hub (filled in place, never modified afterwards).
+BlockData = bytes | bytearray
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockKey:

@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .keys import BlockKey
+from .keys import BlockData, BlockKey
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class BlockStore:
             os.close(fd)
         return data if len(data) == length else None
 
-    def write(self, key: BlockKey, data: bytes) -> None:
+    def write(self, key: BlockKey, data: BlockData) -> None:
         """Write a complete block file (raises OSError, e.g. ENOSPC)."""
         final = self.path(key)
         tmp = self.tmp_dir / f"{key.file_name()}.{os.getpid()}.{id(data):x}"
