@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import select
@@ -14,14 +13,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .config import MountConfig, format_size, parse_hub_url, parse_size, validate_block_size
+from . import __version__, cli_admin
+from .config import MountConfig, parse_hub_url, parse_size, validate_block_size
 from .errors import CachefsError, UsageError
-from .mountpoints import FSTYPE, find_mount, lazy_unmount, prepare_mountpoint
+from .mountpoints import lazy_unmount, prepare_mountpoint
 
 log = logging.getLogger("cachefs")
 
-STATS_XATTR = "user.cachefs.stats"
 LOG_FILE = "cachefs.log"
 
 
@@ -67,9 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
 
-    stats = commands.add_parser("stats", help="show cache statistics of a mount")
-    stats.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path)
-    stats.add_argument("--json", action="store_true", help="machine-readable output")
+    cli_admin.add_parsers(commands)
     return parser
 
 
@@ -84,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .bench.cli import main as bench_main
 
             return bench_main(args.bench_args)
-        return _stats(args)
+        return cli_admin.run(args)
     except CachefsError as exc:
         print(f"cachefs: error: {exc}", file=sys.stderr)
         return 1
@@ -229,27 +225,10 @@ def _setup_logging(debug: bool, log_path: Path | None) -> None:
 # -- unmount --------------------------------------------------------------------
 
 
-def _cachefs_mount(path: Path) -> Path:
-    path = Path(os.path.abspath(path))
-    mount = find_mount(path)
-    if mount is None:
-        raise UsageError(f"{path} is not mounted")
-    if mount.fstype != FSTYPE:
-        raise UsageError(f"{path} is not a cachefs mount ({mount.fstype})")
-    return path
-
-
-def _read_stats(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(os.getxattr(path, STATS_XATTR))
-    except OSError as exc:
-        raise CachefsError(f"cannot read statistics of {path}: {exc.strerror}") from None
-
-
 def _unmount(args: argparse.Namespace) -> int:
-    path = _cachefs_mount(args.mountpoint)
+    path = cli_admin.cachefs_mount(args.mountpoint)
     try:
-        pid: int | None = _read_stats(path)["pid"]
+        pid: int | None = cli_admin.read_stats_xattr(path)["pid"]
     except CachefsError:
         pid = None  # daemon dead: a stale mount
     if pid is None:
@@ -275,37 +254,3 @@ def _wait_for_exit(pid: int, timeout_s: float) -> bool:
             return True
         time.sleep(0.05)
     return False
-
-
-# -- stats ----------------------------------------------------------------------
-
-
-def _stats(args: argparse.Namespace) -> int:
-    stats = _read_stats(_cachefs_mount(args.mountpoint))
-    if args.json:
-        print(json.dumps(stats, indent=2, sort_keys=True))
-        return 0
-    looked_up = stats["block_hits"] + stats["block_misses"]
-    hit_ratio = f"{100 * stats['block_hits'] / looked_up:.1f} %" if looked_up else "n/a"
-    rows = [
-        ("mountpoint", stats["mountpoint"]),
-        ("hub", stats["hub_url"]),
-        ("generation", stats["generation"]),
-        ("cache dir", stats["cache_dir"]),
-        ("cached", f"{format_size(stats['cached_bytes'])} in {stats['cached_blocks']} blocks "
-                   f"(limit {format_size(stats['cache_capacity_bytes'])})"),
-        ("reads", f"{stats['reads']} ({format_size(stats['read_bytes'])})"),
-        ("block hits", str(stats["block_hits"])),
-        ("block misses", str(stats["block_misses"])),
-        ("hit ratio", hit_ratio),
-        ("fetched from hub", f"{format_size(stats['fetched_bytes'])} in {stats['fetches']} requests"),
-        ("read-ahead fetches", str(stats["readahead_fetches"])),
-        ("fetch retries", str(stats["fetch_retries"])),
-        ("failed reads", str(stats["fetch_failures"])),
-        ("corrupt blocks", str(stats["corrupt_blocks"])),
-        ("evicted blocks", str(stats["evicted_blocks"])),
-    ]
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        print(f"{name:<{width}}  {value}")
-    return 0

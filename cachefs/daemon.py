@@ -16,14 +16,15 @@ import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pyfuse3
 import trio
 
 from . import __version__
+from .admin import Admin
 from .cache import BlockCache
 from .config import MountConfig
+from .control import SOCKET_NAME, ControlServer
 from .db import Database, get_meta, open_database, put_meta
 from .errors import CacheDirInUse, CachefsError, HubError, UsageError
 from .fetcher import Fetcher
@@ -37,6 +38,7 @@ from .reader import Reader
 log = logging.getLogger(__name__)
 
 Notify = Callable[[str], None]
+POLICY_SAVE_INTERVAL_S = 60.0
 
 
 class CacheDirLock:
@@ -109,7 +111,7 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
     )
     namespace = Namespace(db)
     await _sync_manifest(client, db, namespace, config)
-    cache = BlockCache(db, config.cache_dir, config.cache_size_bytes, stats)
+    cache = BlockCache(db, config.cache_dir, config.cache_size_bytes, config.block_size_bytes, stats)
     fetcher = Fetcher(
         client,
         cache,
@@ -132,17 +134,20 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
                 sibling_prefetch_files=config.sibling_prefetch_files,
                 nursery=nursery,
             )
+            admin = Admin(config, namespace, cache, fetcher, stats, reader.forget_memory)
             operations = CachefsOperations(
                 namespace,
                 reader,
                 uid=os.getuid(),
                 gid=os.getgid(),
                 attr_timeout_s=config.attr_timeout_s,
-                stats_json=lambda: _stats_json(config, stats, cache, namespace),
+                stats_json=lambda: {"pid": os.getpid(), **admin.snapshot()},
             )
+            await nursery.start(ControlServer(admin.handlers()).serve, config.cache_dir / SOCKET_NAME)
             _init_fuse(operations, config)
             mounted = True
             nursery.start_soon(_terminate_on_signal)
+            nursery.start_soon(_save_policy_periodically, cache)
             nursery.start_soon(_serve_fuse, nursery.cancel_scope)
             await _raise_kernel_readahead(config, operations)
             notify("ready")
@@ -151,6 +156,7 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
         if mounted:
             pyfuse3.close(unmount=True)
             log.info("unmounted %s", config.mountpoint)
+        cache.save_policy()
         await client.aclose()
 
 
@@ -169,6 +175,13 @@ async def _serve_fuse(scope: trio.CancelScope) -> None:
     """Answer FUSE requests until unmounted or terminated, then stop everything else."""
     await pyfuse3.main()
     scope.cancel()
+
+
+async def _save_policy_periodically(cache: BlockCache) -> None:
+    """Policy state survives a crash too, give or take a minute of accesses."""
+    while True:
+        await trio.sleep(POLICY_SAVE_INTERVAL_S)
+        await trio.to_thread.run_sync(cache.save_policy)
 
 
 async def _terminate_on_signal() -> None:
@@ -247,23 +260,6 @@ async def _raise_kernel_readahead(config: MountConfig, operations: CachefsOperat
             log.info("cannot raise kernel readahead via %s: %s", path, exc)
             return
     log.warning("kernel readahead for %s stays at its default", config.mountpoint)
-
-
-def _stats_json(config: MountConfig, stats: Stats, cache: BlockCache, namespace: Namespace) -> dict[str, Any]:
-    summary = namespace.summary()
-    return {
-        "pid": os.getpid(),
-        "hub_url": str(config.hub_url),
-        "mountpoint": str(config.mountpoint),
-        "cache_dir": str(config.cache_dir),
-        "generation": summary.generation if summary else None,
-        "files_bytes": summary.file_bytes if summary else 0,
-        "block_size_bytes": config.block_size_bytes,
-        "cache_capacity_bytes": config.cache_size_bytes,
-        "cached_bytes": cache.used_bytes(),
-        "cached_blocks": cache.block_count(),
-        **stats.as_dict(),
-    }
 
 
 def describe_error(exc: BaseException) -> str:

@@ -7,6 +7,7 @@ Named databases:
   dirents   parent inode + position -> inode + name (namespace.py)
   blocks    BlockKey -> length, checksum, insertion sequence (cache/index.py)
   fifo      insertion sequence -> BlockKey, the eviction order (cache/index.py)
+  pins      file id -> file size, files kept out of eviction (cache/block_cache.py)
 
 Transactions are synchronous and short; none is held across an await.
 """
@@ -34,6 +35,7 @@ class Database:
     dirents: lmdb._Database
     blocks: lmdb._Database
     fifo: lmdb._Database
+    pins: lmdb._Database
 
     def close(self) -> None:
         self.env.sync(True)
@@ -62,6 +64,7 @@ def open_database(path: Path) -> Database:
         dirents=env.open_db(b"dirents"),
         blocks=env.open_db(b"blocks"),
         fifo=env.open_db(b"fifo"),
+        pins=env.open_db(b"pins"),
     )
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -71,8 +71,11 @@ class Fetcher:
         self._stats = stats
         self._fetch_timeout_s = fetch_timeout_s
         self._flights: dict[BlockKey, _Flight] = {}
+        self._discarded: set[BlockKey] = set()
         self.prefetch_slots = trio.CapacityLimiter(max(1, prefetch_connections))
-        self._write_send, self._write_receive = trio.open_memory_channel[tuple[BlockKey, BlockData]](WRITE_QUEUE_BLOCKS)
+        self._write_send, self._write_receive = trio.open_memory_channel[tuple[BlockKey, BlockData, bool]](
+            WRITE_QUEUE_BLOCKS
+        )
 
     def flight(self, key: BlockKey) -> _Flight | None:
         """The block's flight if it is being fetched or written."""
@@ -87,34 +90,46 @@ class Fetcher:
         await self._run([key], [flight], start, [length])
         return await flight.result()
 
-    async def prefetch(self, keys: Sequence[BlockKey], start: int, lengths: Sequence[int]) -> None:
-        """Fetch contiguous blocks with one request, at read-ahead priority.
+    async def prefetch(
+        self, keys: Sequence[BlockKey], start: int, lengths: Sequence[int], *, force_admission: bool = False
+    ) -> bool:
+        """Fetch contiguous blocks with one request, at read-ahead priority; False if it failed.
 
-        The caller holds one of `prefetch_slots` and has filtered out blocks
-        that are cached or in flight. Failures settle the flights (a reader
-        then retries on demand) and are not raised.
+        Read-ahead holds one of `prefetch_slots` while calling this (warm-ups
+        have their own limit); the caller has filtered out blocks that are
+        cached or in flight. Failures settle the flights (a reader
+        then retries on demand) and are not raised. `force_admission` (for
+        operator warm-ups) caches the blocks even where the admission policy
+        would prefer what the cache holds.
         """
         flights = []
         for key in keys:
             if key in self._flights:
                 raise ValueError(f"{key} is already in flight")
             flights.append(self._flights.setdefault(key, _Flight()))
-        await self._run(list(keys), flights, start, list(lengths))
+        return await self._run(list(keys), flights, start, list(lengths), force_admission)
 
-    async def _run(self, keys: list[BlockKey], flights: list[_Flight], start: int, lengths: list[int]) -> None:
-        """Fetch keys[0..n] (contiguous, starting at `start`) and settle their flights."""
+    def discard_pending(self, predicate: Callable[[BlockKey], bool]) -> None:
+        """Blocks in flight that match are not written to the cache (evict, purge)."""
+        self._discarded.update(key for key in self._flights if predicate(key))
+
+    async def _run(
+        self, keys: list[BlockKey], flights: list[_Flight], start: int, lengths: list[int], force_admission: bool = False
+    ) -> bool:
+        """Fetch keys[0..n] (contiguous, starting at `start`) and settle their flights; False on failure."""
         try:
             pieces = await self._fetch_with_retries(keys[0], start, lengths)
         except HubError as exc:
             self._fail(keys, flights, exc)
-            return
+            return False
         except BaseException:
             self._fail(keys, flights, HubUnavailable(f"fetch of {keys[0]} was cancelled"))
             raise
         for key, flight, data in zip(keys, flights, pieces, strict=True):
             flight.data = data
             flight.done.set()
-            await self._write_send.send((key, data))
+            await self._write_send.send((key, data, force_admission))
+        return True
 
     def _fail(self, keys: list[BlockKey], flights: list[_Flight], error: HubError) -> None:
         for key, flight in zip(keys, flights, strict=True):
@@ -134,11 +149,14 @@ class Fetcher:
                         batch.append(self._write_receive.receive_nowait())
                     except trio.WouldBlock:
                         break
+                kept = [item for item in batch if item[0] not in self._discarded]
                 try:
-                    await trio.to_thread.run_sync(self._cache.insert_many, batch)
+                    if kept:
+                        await trio.to_thread.run_sync(self._cache.insert_many, kept)
                 finally:
-                    for key, _data in batch:
+                    for key, _data, _force in batch:
                         self._flights.pop(key, None)
+                        self._discarded.discard(key)
 
     async def _fetch_with_retries(self, key: BlockKey, start: int, lengths: list[int]) -> list[bytearray]:
         deadline = trio.current_time() + self._fetch_timeout_s

@@ -23,6 +23,7 @@ class Stats:
     corrupt_blocks: int = 0
     store_errors: int = 0
     evicted_blocks: int = 0
+    rejected_blocks: int = 0  # fetched but not admitted to a full cache (less popular than what it holds)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -114,6 +114,35 @@ class Namespace:
                 if data is not None:
                     yield position + 1, value[8:], _unpack_inode(ino, data)
 
+    def resolve(self, path: str) -> Inode | None:
+        """The entry at a '/'-separated path relative to the root (no symlinks followed)."""
+        inode = self.get(ROOT_INODE)
+        for name in path.strip("/").split("/"):
+            if inode is None or name in ("", "."):
+                continue
+            inode = self.lookup(inode.ino, os.fsencode(name)) if inode.is_dir else None
+        return inode
+
+    def walk_files(self, inode: Inode) -> Iterator[Inode]:
+        """Every regular file at or below `inode`, depth first."""
+        stack = [inode]
+        while stack:
+            entry = stack.pop()
+            if entry.is_file:
+                yield entry
+            elif entry.is_dir:
+                children = [child for _pos, _name, child in self.readdir(entry.ino, 0)]
+                stack.extend(reversed(children))
+
+    def top_level_names(self) -> dict[bytes, str]:
+        """file id -> name of the top-level entry it lives under ('.' for files in the root)."""
+        names: dict[bytes, str] = {}
+        for _pos, name, child in self.readdir(ROOT_INODE, 0):
+            label = os.fsdecode(name) if child.is_dir else "."
+            for entry in self.walk_files(child):
+                names[entry.file_id] = label
+        return names
+
     def siblings_after(self, inode: Inode, count: int) -> list[Inode]:
         """Up to `count` entries that follow `inode` in its directory."""
         return [child for _next, _name, child in itertools.islice(self.readdir(inode.parent, inode.position + 1), count)]

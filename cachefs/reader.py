@@ -21,7 +21,6 @@ import logging
 import trio
 
 from .cache import BlockCache, BlockData, BlockKey
-from .errors import HubError
 from .fetcher import Fetcher
 from .metrics import Stats
 from .namespace import Inode, Namespace
@@ -53,7 +52,7 @@ class MemoryBlocks:
     """A small LRU of recently used blocks, bounded in count."""
 
     def __init__(self, capacity_blocks: int) -> None:
-        self._capacity = capacity_blocks
+        self.capacity = capacity_blocks
         self._blocks: collections.OrderedDict[BlockKey, BlockData] = collections.OrderedDict()
 
     def get(self, key: BlockKey) -> BlockData | None:
@@ -65,7 +64,7 @@ class MemoryBlocks:
     def put(self, key: BlockKey, data: BlockData) -> None:
         self._blocks[key] = data
         self._blocks.move_to_end(key)
-        while len(self._blocks) > self._capacity:
+        while len(self._blocks) > self.capacity:
             self._blocks.popitem(last=False)
 
 
@@ -94,6 +93,10 @@ class Reader:
         self._max_window_blocks = readahead_blocks
         self._sibling_prefetch_files = sibling_prefetch_files
         self._nursery = nursery
+
+    def forget_memory(self) -> None:
+        """Drop the in-memory blocks (after an evict or purge)."""
+        self._memory = MemoryBlocks(self._memory.capacity)
 
     # -- the read path ------------------------------------------------------------
 
@@ -126,6 +129,7 @@ class Reader:
 
     async def _block(self, inode: Inode, blockno: int) -> BlockData:
         key = BlockKey(inode.file_id, inode.version, blockno)
+        self._cache.sketch.record(key)
         data = self._memory.get(key)
         if data is None:
             flight = self._fetcher.flight(key)
@@ -205,10 +209,8 @@ class Reader:
             if not keys:
                 return
             self._stats.readahead_fetches += len(keys)
-            try:
-                await self._fetcher.prefetch(keys, first * self.block_size, lengths)
-            except HubError as exc:
-                log.debug("read-ahead of %s failed: %s", keys[0], exc)
+            if not await self._fetcher.prefetch(keys, first * self.block_size, lengths):
+                log.debug("read-ahead of %s failed", keys[0])
 
 
 def _as_bytes(data: BlockData, start: int, stop: int) -> bytes:

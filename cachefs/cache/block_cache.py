@@ -1,26 +1,32 @@
-"""BlockCache: verified reads and crash-safe inserts over the index and the store."""
+"""BlockCache: verified reads, crash-safe inserts, admission and eviction, pins, purge."""
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import struct
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import lmdb
 import xxhash
 
 from ..db import Database
+from ..errors import CachefsError
 from ..metrics import Stats
 from .index import BlockIndex
 from .keys import BlockData, BlockKey
+from .policy import FrequencySketch
 from .store import BlockStore
 
 log = logging.getLogger(__name__)
 
-# Eviction brings usage down to this share of the limit, so that it runs in
-# batches rather than once per inserted block.
-LOW_WATERMARK = 0.9
-EVICT_BATCH = 64
+VICTIM_BATCH = 64
+RESUME_FREE_BYTES = 1 << 30
+_SIZE = struct.Struct(">Q")
+SKETCH_FILE = "policy.sketch"
 
 
 def checksum(data: BlockData) -> int:
@@ -32,17 +38,30 @@ class BlockCache:
     """Blocks on local disk, indexed in LMDB, kept under `capacity_bytes`.
 
     `lookup` runs on the trio thread (short LMDB read + pread); `insert_many`
-    writes files and does an fsync'd commit, so it runs in a worker thread.
-    Any failure of the cache is a miss, never a failed read.
+    writes files and does an fsync'd commit, so it runs in a worker thread,
+    the only place that evicts: readers never wait for eviction. Any failure
+    of the cache is a miss, never a failed read; after a failed write (a full
+    disk) the cache stops growing until the disk has room again.
+
+    When the cache is full, a new block is admitted only if the frequency
+    sketch has seen it more often than the oldest unpinned block (TinyLFU,
+    see policy.py); otherwise it is served without being cached.
     """
 
-    def __init__(self, db: Database, cache_dir: Path, capacity_bytes: int, stats: Stats) -> None:
+    def __init__(self, db: Database, cache_dir: Path, capacity_bytes: int, block_size: int, stats: Stats) -> None:
+        self._db = db
         self.index = BlockIndex(db)
         self.store = BlockStore(cache_dir)
         self.capacity_bytes = capacity_bytes
         self._stats = stats
-        self._evict_lock = threading.Lock()
-        self._store_failing = False
+        self._lock = threading.Lock()  # one evicting/admitting thread at a time
+        self._disk_limit_bytes: int | None = None  # set while the disk is full
+        self.sketch = FrequencySketch(capacity_bytes // block_size)
+        self._sketch_path = cache_dir / SKETCH_FILE
+        self.sketch.load(self._sketch_path)
+        self._pins = self._load_pins()
+
+    # -- reads ------------------------------------------------------------------
 
     def lookup(self, key: BlockKey) -> bytes | None:
         """The block's verified bytes, or None on a miss (corrupt blocks are dropped)."""
@@ -61,42 +80,168 @@ class BlockCache:
             return None
         return data
 
-    def insert_many(self, blocks: list[tuple[BlockKey, BlockData]]) -> int:
-        """Store blocks (worker thread): write the files, then commit their
-        index entries together. Returns how many were cached; a block that
-        cannot be written (e.g. ENOSPC) is skipped and logged once."""
-        blocks = blocks[: self._make_room(blocks)]
-        written = []
-        for key, data in blocks:
+    def contains(self, key: BlockKey) -> bool:
+        return self.index.get(key) is not None
+
+    # -- inserts, admission, eviction -------------------------------------------
+
+    def insert_many(self, blocks: list[tuple[BlockKey, BlockData, bool]]) -> int:
+        """Store blocks (worker thread): admit, write the files, then commit
+        their index entries together. Returns how many were cached; a block
+        that cannot be written (e.g. ENOSPC) is skipped and logged once. The
+        flag of each block forces its admission (operator warm-ups)."""
+        if self._disk_limit_bytes is not None and self._space_returned(blocks):
+            log.info("disk space returned; caching up to %d bytes in %s again", self.capacity_bytes, self.store.blocks_dir)
+            self._disk_limit_bytes = None
+        with self._lock:
+            admitted = self._admit(blocks)
+            written = []
+            for key, data in admitted:
+                try:
+                    self.store.write(key, data)
+                except OSError as exc:
+                    self._note_store_failure(exc)
+                    continue
+                written.append((key, len(data), checksum(data)))
+            if not written:
+                return 0
             try:
-                self.store.write(key, data)
-            except OSError as exc:
+                self.index.add(written)
+            except lmdb.Error as exc:
+                for key, _length, _checksum in written:
+                    self.store.delete(key)
                 self._note_store_failure(exc)
-                continue
-            written.append((key, len(data), checksum(data)))
-        if not written:
-            return 0
-        try:
-            self.index.add(written)
-        except lmdb.Error as exc:
-            for key, _length, _checksum in written:
-                self.store.delete(key)
-            self._note_store_failure(exc)
-            return 0
-        if self._store_failing:
-            log.info("caching blocks in %s again", self.store.blocks_dir)
-            self._store_failing = False
+                return 0
         return len(written)
 
-    def _note_store_failure(self, exc: Exception) -> None:
-        self._stats.store_errors += 1
-        if not self._store_failing:
-            log.error("cannot cache blocks in %s (%s); serving without caching", self.store.blocks_dir, exc)
-            self._store_failing = True
+    def _admit(self, blocks: list[tuple[BlockKey, BlockData, bool]]) -> list[tuple[BlockKey, BlockData]]:
+        """The blocks that get a place, after evicting what they displace."""
+        limit = self.capacity_bytes if self._disk_limit_bytes is None else min(self.capacity_bytes, self._disk_limit_bytes)
+        free = limit - self.index.used_bytes()
+        victims = self._victims()
+        admitted = []
+        for key, data, force in blocks:
+            forced = force or key.file_id in self._pins
+            while len(data) > free:
+                victim = next(victims, None)
+                if victim is None:
+                    break
+                victim_key, victim_length = victim
+                if not forced and self.sketch.estimate(victim_key) >= self.sketch.estimate(key):
+                    break  # the incumbent is at least as popular: keep it
+                self._evict(victim_key)
+                free += victim_length
+            if len(data) <= free:
+                admitted.append((key, data))
+                free -= len(data)
+            else:
+                self._stats.rejected_blocks += 1
+        return admitted
+
+    def _victims(self) -> Iterator[tuple[BlockKey, int]]:
+        """Unpinned cached blocks, oldest first, fetched lazily in batches."""
+        seen: set[BlockKey] = set()
+        while True:
+            batch = [key for key in self.index.oldest(VICTIM_BATCH + len(seen)) if key not in seen]
+            if not batch:
+                return
+            for key in batch:
+                seen.add(key)
+                if key.file_id in self._pins:
+                    continue
+                entry = self.index.get(key)
+                if entry is not None:
+                    yield key, entry.length
+
+    def _evict(self, key: BlockKey) -> None:
+        if self.index.remove(key):
+            self.store.delete(key)
+            self._stats.evicted_blocks += 1
 
     def remove(self, key: BlockKey) -> None:
         self.index.remove(key)
         self.store.delete(key)
+
+    def _space_returned(self, blocks: list[tuple[BlockKey, BlockData, bool]]) -> bool:
+        """After a write failed, write again only once the disk has clearly more room:
+        a quarter of the filesystem free (at most 1 GiB needed) and twice the batch.
+        The margin keeps a nearly full disk from flapping between the two states."""
+        try:
+            usage = os.statvfs(self.store.blocks_dir)
+        except OSError:
+            return False
+        free = usage.f_bavail * usage.f_frsize
+        wanted = max(min(RESUME_FREE_BYTES, usage.f_blocks * usage.f_frsize // 4), 2 * sum(len(d) for _k, d, _f in blocks))
+        return free >= wanted
+
+    def _note_store_failure(self, exc: Exception) -> None:
+        """A write failed (a full disk): hold the cache at its present size until space returns.
+
+        New blocks then only get in by displacing less popular ones, which
+        keeps the bytes on disk constant; reads are served either way.
+        """
+        self._stats.store_errors += 1
+        if self._disk_limit_bytes is None:
+            self._disk_limit_bytes = self.index.used_bytes()
+            log.error("cannot cache more blocks in %s (%s); holding the cache at %d bytes until space returns",
+                      self.store.blocks_dir, exc, self._disk_limit_bytes)
+
+    # -- operator actions ---------------------------------------------------------
+
+    def evict_file(self, file_id: bytes) -> int:
+        """Drop every cached block of a file (all versions); returns the bytes freed."""
+        freed = 0
+        with self._lock:
+            for key, length in self.index.file_blocks(file_id):
+                self.remove(key)
+                freed += length
+        return freed
+
+    def purge(self) -> int:
+        """Drop every cached block and remove the block files; returns the block count."""
+        with self._lock:
+            count = self.index.clear()
+            shutil.rmtree(self.store.blocks_dir, ignore_errors=True)
+            self.store.blocks_dir.mkdir(mode=0o700, exist_ok=True)
+        return count
+
+    def pin(self, files: dict[bytes, int]) -> None:
+        """Keep these files (id -> size) out of eviction; refuse if they cannot all fit."""
+        with self._lock:
+            wanted = sum(size for file_id, size in files.items() if file_id not in self._pins)
+            if self.pinned_bytes() + wanted > self.capacity_bytes:
+                raise CachefsError(
+                    f"cannot pin {wanted} more bytes: {self.pinned_bytes()} already pinned "
+                    f"of a {self.capacity_bytes}-byte cache"
+                )
+            with self._db.env.begin(db=self._db.pins, write=True) as txn:
+                for file_id, size in files.items():
+                    txn.put(file_id, _SIZE.pack(size))
+            self._pins.update(files)
+
+    def unpin(self, file_ids: list[bytes]) -> int:
+        """Let these files be evicted again; returns how many were pinned."""
+        with self._lock, self._db.env.begin(db=self._db.pins, write=True) as txn:
+            found = 0
+            for file_id in file_ids:
+                found += bool(txn.delete(file_id))
+                self._pins.pop(file_id, None)
+        return found
+
+    def pinned_bytes(self) -> int:
+        return sum(self._pins.values())
+
+    def pinned_file_ids(self) -> list[bytes]:
+        return list(self._pins)
+
+    def is_pinned(self, file_id: bytes) -> bool:
+        return file_id in self._pins
+
+    def _load_pins(self) -> dict[bytes, int]:
+        with self._db.env.begin(db=self._db.pins) as txn:
+            return {bytes(file_id): _SIZE.unpack(size)[0] for file_id, size in txn.cursor()}
+
+    # -- state --------------------------------------------------------------------
 
     def used_bytes(self) -> int:
         return self.index.used_bytes()
@@ -104,29 +249,8 @@ class BlockCache:
     def block_count(self) -> int:
         return self.index.block_count()
 
-    def _make_room(self, blocks: list[tuple[BlockKey, BlockData]]) -> int:
-        """Evict so that the blocks fit under the capacity before they are written.
-
-        Returns how many of the blocks fit (all, unless the batch alone is
-        larger than the whole cache). Usage on disk so never exceeds the limit.
-        """
-        fitting, incoming = 0, 0
-        for _key, data in blocks:
-            if incoming + len(data) > self.capacity_bytes:
-                break
-            incoming += len(data)
-            fitting += 1
-        if self.index.used_bytes() + incoming > self.capacity_bytes:
-            self._evict_down_to(min(int(self.capacity_bytes * LOW_WATERMARK), self.capacity_bytes - incoming))
-        return fitting
-
-    def _evict_down_to(self, target: int) -> None:
-        with self._evict_lock:
-            while self.index.used_bytes() > target:
-                victims = self.index.oldest(EVICT_BATCH)
-                if not victims:
-                    break
-                for key in victims:
-                    if self.index.remove(key):
-                        self.store.delete(key)
-                        self._stats.evicted_blocks += 1
+    def save_policy(self) -> None:
+        try:
+            self.sketch.save(self._sketch_path)
+        except OSError as exc:
+            log.warning("cannot save policy state to %s: %s", self._sketch_path, exc)

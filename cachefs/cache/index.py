@@ -74,10 +74,32 @@ class BlockIndex:
                     break
         return keys
 
+    def file_blocks(self, file_id: bytes) -> list[tuple[BlockKey, int]]:
+        """Every cached block of a file (all versions), with its length."""
+        found = []
+        with self._db.env.begin(db=self._db.blocks) as txn:
+            cursor = txn.cursor()
+            if cursor.set_range(file_id):
+                for packed, value in cursor:
+                    if not packed.startswith(file_id):
+                        break
+                    found.append((BlockKey.unpack(packed), _ENTRY.unpack(value)[0]))
+        return found
+
     def iter_keys(self) -> Iterator[BlockKey]:
         with self._db.env.begin(db=self._db.blocks) as txn:
             for packed in txn.cursor().iternext(keys=True, values=False):
                 yield BlockKey.unpack(packed)
+
+    def clear(self) -> int:
+        """Forget every block; returns how many there were."""
+        with self._db.env.begin(write=True) as txn:
+            count = _counter(txn, self._db, _COUNT)
+            txn.drop(self._db.blocks, delete=False)
+            txn.drop(self._db.fifo, delete=False)
+            txn.put(_USED, _SEQ.pack(0), db=self._db.meta)
+            txn.put(_COUNT, _SEQ.pack(0), db=self._db.meta)
+        return count
 
     def used_bytes(self) -> int:
         with self._db.env.begin() as txn:

@@ -1,0 +1,258 @@
+"""Operator commands run inside the daemon: warm, pin, unpin, evict, purge, stats.
+
+They arrive over the control socket (control.py). Paths are relative to the
+mount's root, as the CLI sends them.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from .cache import BlockCache, BlockKey
+from .config import MountConfig
+from .control import Handler, Progress
+from .errors import CachefsError, HubError
+from .fetcher import Fetcher
+from .metrics import Stats
+from .namespace import Inode, Namespace
+from .reader import COALESCE_BLOCKS
+
+log = logging.getLogger(__name__)
+
+PROGRESS_INTERVAL_S = 0.5
+MAX_PARALLEL = 64
+
+
+class Admin:
+    """The daemon-side implementation of the operator commands."""
+
+    def __init__(
+        self,
+        config: MountConfig,
+        namespace: Namespace,
+        cache: BlockCache,
+        fetcher: Fetcher,
+        stats: Stats,
+        forget_memory: Callable[[], None],
+    ) -> None:
+        self._config = config
+        self._namespace = namespace
+        self._cache = cache
+        self._fetcher = fetcher
+        self._stats = stats
+        self._forget_memory = forget_memory
+
+    def handlers(self) -> dict[str, Handler]:
+        return {
+            "stats": self.stats,
+            "warm": self.warm,
+            "unpin": self.unpin,
+            "evict": self.evict,
+            "purge": self.purge,
+        }
+
+    # -- helpers --------------------------------------------------------------------
+
+    def _files(self, paths: Any) -> list[Inode]:
+        """Regular files at or below the given paths, each once; unknown paths are an error."""
+        if not isinstance(paths, list) or not paths or not all(isinstance(p, str) for p in paths):
+            raise CachefsError("give one or more paths inside the mount")
+        files: dict[int, Inode] = {}
+        for path in paths:
+            inode = self._namespace.resolve(path)
+            if inode is None:
+                raise CachefsError(f"no such file or directory in the mounted snapshot: {path or '/'}")
+            for entry in self._namespace.walk_files(inode):
+                files[entry.ino] = entry
+        return list(files.values())
+
+    def _blocks_of(self, inode: Inode) -> int:
+        return (inode.size + self._config.block_size_bytes - 1) // self._config.block_size_bytes
+
+    # -- commands -------------------------------------------------------------------
+
+    async def stats(self, request: dict[str, Any], progress: Progress) -> dict[str, Any]:
+        return self.snapshot(detailed=bool(request.get("detailed")))
+
+    def snapshot(self, detailed: bool = False) -> dict[str, Any]:
+        """Counters and cache state (per top-level directory usage when detailed)."""
+        summary = self._namespace.summary()
+        result: dict[str, Any] = {
+            "hub_url": str(self._config.hub_url),
+            "mountpoint": str(self._config.mountpoint),
+            "cache_dir": str(self._config.cache_dir),
+            "generation": summary.generation if summary else None,
+            "files_bytes": summary.file_bytes if summary else 0,
+            "block_size_bytes": self._config.block_size_bytes,
+            "cache_capacity_bytes": self._cache.capacity_bytes,
+            "cached_bytes": self._cache.used_bytes(),
+            "cached_blocks": self._cache.block_count(),
+            "pinned_bytes": self._cache.pinned_bytes(),
+            **self._stats.as_dict(),
+        }
+        if detailed:
+            result["usage_by_top_level_bytes"] = self._usage_by_top_level()
+        return result
+
+    def _usage_by_top_level(self) -> dict[str, int]:
+        names = self._namespace.top_level_names()
+        usage: dict[str, int] = collections.Counter()
+        for key in self._cache.index.iter_keys():
+            entry = self._cache.index.get(key)
+            if entry is not None:
+                usage[names.get(key.file_id, "(not in this snapshot)")] += entry.length
+        return dict(usage)
+
+    async def warm(self, request: dict[str, Any], progress: Progress) -> dict[str, Any]:
+        """Fetch files into the cache, in parallel, reporting progress; optionally pin them."""
+        files = self._files(request.get("paths"))
+        parallel = int(request.get("parallel") or 8)
+        if not 1 <= parallel <= MAX_PARALLEL:
+            raise CachefsError(f"--parallel must be between 1 and {MAX_PARALLEL}")
+        if request.get("pin"):
+            self._cache.pin({f.file_id: f.size for f in files})
+        job = _WarmJob(files, self, parallel)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(job.run, nursery.cancel_scope)
+            while True:
+                await progress(job.report())
+                with trio.move_on_after(PROGRESS_INTERVAL_S):
+                    await job.finished.wait()
+                if job.finished.is_set():
+                    break
+        result = job.report()
+        result["hub_url"] = str(self._config.hub_url)
+        result["pinned"] = bool(request.get("pin"))
+        log.info("warmed %d files: %d bytes fetched from %s, %d already cached, %d failed",
+                 result["files_total"], result["fetched_bytes"], self._config.hub_url,
+                 result["cached_before_bytes"], result["failed_files"])
+        return result
+
+    async def unpin(self, request: dict[str, Any], progress: Progress) -> dict[str, Any]:
+        files = self._files(request.get("paths"))
+        return {"unpinned_files": self._cache.unpin([f.file_id for f in files]), "files": len(files)}
+
+    async def evict(self, request: dict[str, Any], progress: Progress) -> dict[str, Any]:
+        """Drop the cached blocks (and pins) of files; they are fetched again when read."""
+        files = self._files(request.get("paths"))
+        file_ids = {f.file_id for f in files}
+        self._fetcher.discard_pending(lambda key: key.file_id in file_ids)
+        self._cache.unpin(list(file_ids))
+        freed = 0
+        for file_id in file_ids:
+            freed += await trio.to_thread.run_sync(self._cache.evict_file, file_id)
+        self._forget_memory()
+        return {"files": len(files), "freed_bytes": freed}
+
+    async def purge(self, request: dict[str, Any], progress: Progress) -> dict[str, Any]:
+        """Drop every cached block and pin: nothing of the dataset stays in the cache dir."""
+        if not request.get("all"):
+            raise CachefsError("purge needs --all")
+        self._fetcher.discard_pending(lambda key: True)
+        self._cache.unpin(self._cache.pinned_file_ids())
+        blocks = await trio.to_thread.run_sync(self._cache.purge)
+        self._forget_memory()
+        log.info("purged %d cached blocks", blocks)
+        return {"purged_blocks": blocks}
+
+
+class _WarmJob:
+    """One warm-up: fetch the missing blocks of `files`, `parallel` requests at a time."""
+
+    def __init__(self, files: list[Inode], admin: Admin, parallel: int) -> None:
+        self.files = files
+        self._admin = admin
+        self._slots = trio.Semaphore(parallel)
+        self.finished = trio.Event()
+        self.started_s = time.monotonic()
+        self.bytes_total = sum(f.size for f in files)
+        self.bytes_done = 0
+        self.cached_before_bytes = 0
+        self.fetched_bytes = 0
+        self.files_done = 0
+        self.failed_files = 0
+
+    async def run(self, scope: trio.CancelScope) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                for inode in self.files:
+                    await self._slots.acquire()  # bounds the tasks, not only the requests
+                    nursery.start_soon(self._warm_file, inode)
+        finally:
+            self.finished.set()
+
+    async def _warm_file(self, inode: Inode) -> None:
+        try:
+            ok = True
+            block_size = self._admin._config.block_size_bytes
+            run: list[int] = []
+            for blockno in range(self._admin._blocks_of(inode)):
+                key = BlockKey(inode.file_id, inode.version, blockno)
+                length = min(block_size, inode.size - blockno * block_size)
+                if self._admin._cache.contains(key) or self._admin._fetcher.flight(key) is not None:
+                    self.cached_before_bytes += length
+                    self.bytes_done += length
+                    ok &= await self._fetch_run(inode, run)
+                    run = []
+                    continue
+                run.append(blockno)
+                if len(run) == COALESCE_BLOCKS:
+                    ok &= await self._fetch_run(inode, run)
+                    run = []
+            ok &= await self._fetch_run(inode, run)
+            self.files_done += 1
+            self.failed_files += not ok
+        finally:
+            self._slots.release()
+
+    async def _fetch_run(self, inode: Inode, blocknos: list[int]) -> bool:
+        """Fetch contiguous blocks with one request; blocks that went in flight meanwhile split it."""
+        block_size = self._admin._config.block_size_bytes
+        fetcher = self._admin._fetcher
+        ok = True
+        pending: list[tuple[BlockKey, int, int]] = []  # key, start, length
+        for blockno in [*blocknos, None]:
+            key = BlockKey(inode.file_id, inode.version, blockno) if blockno is not None else None
+            if key is not None and fetcher.flight(key) is None:
+                pending.append((key, blockno * block_size, min(block_size, inode.size - blockno * block_size)))
+                continue
+            if pending:
+                lengths = [length for _key, _start, length in pending]
+                fetched = await fetcher.prefetch([k for k, _s, _l in pending], pending[0][1], lengths, force_admission=True)
+                ok &= fetched
+                if fetched:
+                    self.fetched_bytes += sum(lengths)
+                    self.bytes_done += sum(lengths)
+                pending = []
+            if key is not None:
+                flight = fetcher.flight(key)
+                if flight is not None:
+                    try:
+                        await flight.result()
+                    except HubError:
+                        ok = False
+                self.bytes_done += min(block_size, inode.size - blockno * block_size)
+        return ok
+
+    def report(self) -> dict[str, Any]:
+        elapsed_s = max(1e-6, time.monotonic() - self.started_s)
+        rate = self.fetched_bytes / elapsed_s
+        remaining = self.bytes_total - self.bytes_done
+        return {
+            "files_total": len(self.files),
+            "files_done": self.files_done,
+            "failed_files": self.failed_files,
+            "bytes_total": self.bytes_total,
+            "bytes_done": self.bytes_done,
+            "cached_before_bytes": self.cached_before_bytes,
+            "fetched_bytes": self.fetched_bytes,
+            "elapsed_s": elapsed_s,
+            "rate_bytes_per_s": rate,
+            "eta_s": remaining / rate if rate > 0 else None,
+        }

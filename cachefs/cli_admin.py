@@ -1,0 +1,206 @@
+"""Operator commands of the CLI: stats, warm, unpin, evict, purge (over the control socket)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import control
+from .config import format_size
+from .errors import CachefsError, UsageError
+from .mountpoints import FSTYPE, find_mount, list_mounts
+
+STATS_XATTR = "user.cachefs.stats"
+
+
+def add_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    warm = commands.add_parser("warm", help="fetch files or directory trees into the cache, with progress")
+    warm.add_argument("paths", metavar="PATH", nargs="+", type=Path, help="files or directories inside a cachefs mount")
+    warm.add_argument("--pin", action="store_true", help="keep them out of eviction until `cachefs unpin`")
+    warm.add_argument("--parallel", type=int, default=8, metavar="N", help="files fetched at once (default: 8)")
+
+    unpin = commands.add_parser("unpin", help="let pinned files be evicted again")
+    unpin.add_argument("paths", metavar="PATH", nargs="+", type=Path)
+
+    evict = commands.add_parser("evict", help="drop the cached data of files or directory trees")
+    evict.add_argument("paths", metavar="PATH", nargs="+", type=Path)
+
+    purge = commands.add_parser("purge", help="drop every cached block (and pin) of a mount")
+    purge.add_argument("--all", action="store_true", required=True, help="required: confirms dropping everything")
+    purge.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path, nargs="?", help="needed if several cachefs mounts exist")
+
+    stats = commands.add_parser("stats", help="show cache statistics of a mount")
+    stats.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path)
+    stats.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def run(args: argparse.Namespace) -> int:
+    command = {"warm": _warm, "unpin": _unpin, "evict": _evict, "purge": _purge, "stats": _stats}[args.command]
+    return command(args)
+
+
+# -- finding the daemon -------------------------------------------------------------
+
+
+def cachefs_mount(path: Path) -> Path:
+    """`path` itself, checked to be a cachefs mountpoint."""
+    path = Path(os.path.abspath(path))
+    mount = find_mount(path)
+    if mount is None:
+        raise UsageError(f"{path} is not mounted")
+    if mount.fstype != FSTYPE:
+        raise UsageError(f"{path} is not a cachefs mount ({mount.fstype})")
+    return path
+
+
+def read_stats_xattr(mountpoint: Path) -> dict[str, Any]:
+    try:
+        return json.loads(os.getxattr(mountpoint, STATS_XATTR))
+    except OSError as exc:
+        raise CachefsError(f"cannot reach the daemon of {mountpoint}: {exc.strerror}") from None
+
+
+def _locate(path: Path) -> tuple[Path, str]:
+    """The cachefs mountpoint holding `path`, and `path` relative to it."""
+    absolute = Path(os.path.abspath(path))
+    for candidate in [absolute, *absolute.parents]:
+        mount = find_mount(candidate)
+        if mount is not None:
+            if mount.fstype != FSTYPE:
+                break
+            return candidate, str(absolute.relative_to(candidate))
+    raise UsageError(f"{path} is not inside a cachefs mount")
+
+
+def _socket(mountpoint: Path) -> Path:
+    return Path(read_stats_xattr(mountpoint)["cache_dir"]) / control.SOCKET_NAME
+
+
+def _call_for_paths(command: str, paths: list[Path], **extra: Any) -> tuple[Path, dict[str, Any]]:
+    located = [_locate(path) for path in paths]
+    mountpoints = {mountpoint for mountpoint, _rel in located}
+    if len(mountpoints) != 1:
+        raise UsageError("all paths must be inside the same cachefs mount")
+    mountpoint = mountpoints.pop()
+    relative = ["" if rel == "." else rel for _mp, rel in located]
+    progress = _ProgressPrinter() if command == "warm" else None
+    result = control.call(_socket(mountpoint), {"command": command, "paths": relative, **extra},
+                          progress.update if progress else None)
+    if progress:
+        progress.finish()
+    return mountpoint, result
+
+
+# -- commands ---------------------------------------------------------------------
+
+
+def _warm(args: argparse.Namespace) -> int:
+    _mountpoint, result = _call_for_paths("warm", args.paths, pin=args.pin, parallel=args.parallel)
+    print(
+        f"cachefs: warmed {result['files_total']} files ({format_size(result['bytes_total'])}): "
+        f"{format_size(result['fetched_bytes'])} fetched from {result['hub_url']}, "
+        f"{format_size(result['cached_before_bytes'])} already cached"
+        + (", pinned" if result["pinned"] else "")
+        + f", {result['elapsed_s']:.1f} s"
+    )
+    if result["failed_files"]:
+        print(f"cachefs: error: {result['failed_files']} files could not be fetched completely; "
+              "run the command again to resume", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _unpin(args: argparse.Namespace) -> int:
+    _mountpoint, result = _call_for_paths("unpin", args.paths)
+    print(f"cachefs: unpinned {result['unpinned_files']} of {result['files']} files")
+    return 0
+
+
+def _evict(args: argparse.Namespace) -> int:
+    _mountpoint, result = _call_for_paths("evict", args.paths)
+    print(f"cachefs: evicted {format_size(result['freed_bytes'])} of {result['files']} files")
+    return 0
+
+
+def _purge(args: argparse.Namespace) -> int:
+    if args.mountpoint is not None:
+        mountpoint = cachefs_mount(args.mountpoint)
+    else:
+        mounts = [Path(m.mountpoint) for m in list_mounts() if m.fstype == FSTYPE]
+        if len(mounts) != 1:
+            raise UsageError("name the MOUNTPOINT to purge" if mounts else "no cachefs mount found")
+        mountpoint = mounts[0]
+    result = control.call(_socket(mountpoint), {"command": "purge", "all": True})
+    print(f"cachefs: purged {result['purged_blocks']} cached blocks of {mountpoint}")
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    mountpoint = cachefs_mount(args.mountpoint)
+    stats = control.call(_socket(mountpoint), {"command": "stats", "detailed": True}, timeout_s=60)
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    looked_up = stats["block_hits"] + stats["block_misses"]
+    hit_ratio = f"{100 * stats['block_hits'] / looked_up:.1f} %" if looked_up else "n/a"
+    rows = [
+        ("mountpoint", stats["mountpoint"]),
+        ("hub", stats["hub_url"]),
+        ("generation", stats["generation"]),
+        ("cache dir", stats["cache_dir"]),
+        ("cached", f"{format_size(stats['cached_bytes'])} in {stats['cached_blocks']} blocks "
+                   f"(limit {format_size(stats['cache_capacity_bytes'])}, "
+                   f"{100 * stats['cached_bytes'] / stats['cache_capacity_bytes']:.1f} % used)"),
+        ("pinned", format_size(stats["pinned_bytes"])),
+        ("reads", f"{stats['reads']} ({format_size(stats['read_bytes'])})"),
+        ("block hits", str(stats["block_hits"])),
+        ("block misses", str(stats["block_misses"])),
+        ("hit ratio", hit_ratio),
+        ("fetched from hub", f"{format_size(stats['fetched_bytes'])} in {stats['fetches']} requests"),
+        ("read-ahead fetches", str(stats["readahead_fetches"])),
+        ("fetch retries", str(stats["fetch_retries"])),
+        ("failed reads", str(stats["fetch_failures"])),
+        ("corrupt blocks", str(stats["corrupt_blocks"])),
+        ("evicted blocks", str(stats["evicted_blocks"])),
+        ("not admitted", str(stats["rejected_blocks"])),
+    ]
+    for name, used in sorted(stats.get("usage_by_top_level_bytes", {}).items()):
+        rows.append((f"  {name}/", format_size(used)))
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    return 0
+
+
+class _ProgressPrinter:
+    """A progress bar on a terminal, plain lines every few seconds otherwise."""
+
+    PLAIN_INTERVAL_S = 5.0
+
+    def __init__(self) -> None:
+        self._tty = sys.stderr.isatty()
+        self._last_plain = 0.0
+
+    def update(self, report: dict[str, Any]) -> None:
+        total = max(1, report["bytes_total"])
+        fraction = report["bytes_done"] / total
+        eta = f"{report['eta_s']:.0f} s" if report.get("eta_s") is not None else "?"
+        text = (f"{100 * fraction:5.1f} %  {format_size(report['bytes_done'])} / {format_size(report['bytes_total'])}"
+                f"  {report['files_done']}/{report['files_total']} files"
+                f"  {format_size(report['rate_bytes_per_s'])}/s  ETA {eta}")
+        if self._tty:
+            filled = int(30 * fraction)
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {text}   ")
+            sys.stderr.flush()
+        elif time.monotonic() - self._last_plain >= self.PLAIN_INTERVAL_S:
+            self._last_plain = time.monotonic()
+            print(f"cachefs: warm {text}", file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        if self._tty:
+            sys.stderr.write("\n")

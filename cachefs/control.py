@@ -1,0 +1,141 @@
+"""The daemon's control socket: operator commands from `cachefs warm/pin/evict/purge/stats`.
+
+A Unix socket `<cache-dir>/control.sock`, mode 0600 in a 0700 directory;
+connections from users other than root and the daemon's owner are refused
+(checked with SO_PEERCRED). One request per connection, newline-delimited
+JSON both ways:
+
+    -> {"command": "warm", "paths": ["shards"], "pin": false, "parallel": 8}
+    <- {"progress": {...}}            zero or more
+    <- {"ok": true, "result": {...}}  or {"ok": false, "error": "one line"}
+
+Closing the connection cancels the command (a warm-up stops; what it
+fetched stays cached, so running it again resumes).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from .errors import CachefsError
+
+log = logging.getLogger(__name__)
+
+SOCKET_NAME = "control.sock"
+MAX_REQUEST_BYTES = 1 << 20
+
+Progress = Callable[[dict[str, Any]], Awaitable[None]]
+Handler = Callable[[dict[str, Any], Progress], Awaitable[dict[str, Any]]]
+
+
+class ControlServer:
+    """Serves operator commands with the handlers it is given."""
+
+    def __init__(self, handlers: dict[str, Handler]) -> None:
+        self._handlers = handlers
+
+    async def serve(self, path: Path, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        path.unlink(missing_ok=True)
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        await sock.bind(str(path))
+        os.chmod(path, 0o600)
+        sock.listen(16)
+        listener = trio.SocketListener(sock)
+        task_status.started()
+        try:
+            await trio.serve_listeners(self._handle, [listener])
+        finally:
+            path.unlink(missing_ok=True)
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            if not _peer_allowed(stream.socket):
+                await _send(stream, {"ok": False, "error": "permission denied: only root or the daemon's owner"})
+                return
+            try:
+                request = await _receive_request(stream)
+                handler = self._handlers.get(str(request.get("command")))
+                if handler is None:
+                    raise CachefsError(f"unknown command {request.get('command')!r}")
+                result = await handler(request, lambda progress: _send(stream, {"progress": progress}))
+                reply: dict[str, Any] = {"ok": True, "result": result}
+            except CachefsError as exc:
+                reply = {"ok": False, "error": str(exc)}
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                log.info("control client went away; command cancelled")
+                return
+            except Exception:
+                log.exception("control command failed")
+                reply = {"ok": False, "error": "internal error; see the daemon log"}
+            try:
+                await _send(stream, reply)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+
+def _peer_allowed(sock: trio.socket.SocketType) -> bool:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid in (0, os.getuid())
+
+
+async def _receive_request(stream: trio.SocketStream) -> dict[str, Any]:
+    data = b""
+    with trio.fail_after(10):
+        while b"\n" not in data:
+            chunk = await stream.receive_some(65536)
+            if not chunk:
+                break
+            data += chunk
+            if len(data) > MAX_REQUEST_BYTES:
+                raise CachefsError("request too large")
+    try:
+        request = json.loads(data.split(b"\n", 1)[0])
+    except ValueError:
+        raise CachefsError("malformed request") from None
+    if not isinstance(request, dict):
+        raise CachefsError("malformed request")
+    return request
+
+
+async def _send(stream: trio.SocketStream, message: dict[str, Any]) -> None:
+    await stream.send_all(json.dumps(message).encode() + b"\n")
+
+
+# -- client side (used by the CLI, plain blocking sockets) ----------------------------
+
+
+def call(
+    socket_path: Path,
+    request: dict[str, Any],
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    timeout_s: float | None = None,
+) -> dict[str, Any]:
+    """Send one command and return its result; raises CachefsError with the daemon's message."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(str(socket_path))
+        except OSError as exc:
+            raise CachefsError(f"cannot reach the daemon at {socket_path}: {exc.strerror or exc}") from None
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        with sock.makefile("rb") as replies:
+            for line in replies:
+                message = json.loads(line)
+                if "progress" in message:
+                    if on_progress is not None:
+                        on_progress(message["progress"])
+                    continue
+                if not message.get("ok"):
+                    raise CachefsError(message.get("error", "the daemon refused the command"))
+                return message.get("result", {})
+    raise CachefsError("the daemon closed the connection without an answer")

@@ -1,0 +1,177 @@
+"""The bounded cache: size limit, scan-resistant admission, warm/pin/evict/purge, full disks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from dataset import TEST_BLOCK_SIZE, source_files
+from hub_helpers import running_hub
+from mount_helpers import SpokeMount, mounted_spoke, run_cachefs
+from test_mount import read_uncached
+
+from conftest import SPOKE_ARGS
+
+# No read-ahead: every block a test reads is a demand access it can count.
+PLAIN_ARGS = (*SPOKE_ARGS, "--readahead-blocks", "0", "--prefetch-siblings", "0")
+
+
+def block_bytes_on_disk(cache_dir: Path) -> int:
+    return sum(f.stat().st_size for f in (cache_dir / "blocks").rglob("*") if f.is_file())
+
+
+def read_all(spoke: SpokeMount, dataset: Path, relatives: list[str]) -> None:
+    for relative in relatives:
+        assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes(), relative
+
+
+def test_capacity_never_exceeded_under_concurrent_load(hub, dataset: Path, tmp_path: Path) -> None:
+    limit = 12 * TEST_BLOCK_SIZE
+    files = [str(f) for f in source_files(dataset)]
+    with mounted_spoke(hub.url, tmp_path, (*SPOKE_ARGS, "--cache-size", str(limit))) as spoke:
+        samples: list[int] = []
+        done = threading.Event()
+
+        def sample() -> None:  # the daemon's own accounting, read atomically while readers run
+            while not done.is_set():
+                samples.append(spoke.stats()["cached_bytes"])
+                done.wait(0.01)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        errors: list[str] = []
+
+        def reader(offset: int) -> None:
+            for relative in files[offset:] + files[:offset]:
+                if read_uncached(spoke.mountpoint / relative) != (dataset / relative).read_bytes():
+                    errors.append(relative)
+
+        readers = [threading.Thread(target=reader, args=(i * 17,)) for i in range(4)]
+        for thread in readers:
+            thread.start()
+        for thread in readers:
+            thread.join(timeout=120)
+        done.set()
+        sampler.join()
+        assert errors == []
+        assert len(samples) > 10 and max(samples) <= limit
+        assert max(samples) > limit // 2  # the cache was really under pressure
+        assert block_bytes_on_disk(spoke.cache_dir) <= limit
+
+
+def test_cyclic_epochs_over_twice_the_cache_keep_hitting(hub, dataset: Path, tmp_path: Path) -> None:
+    shards = sorted(f"shards/{p.name}" for p in (dataset / "shards").iterdir())
+    total_blocks = sum(-(-(dataset / s).stat().st_size // TEST_BLOCK_SIZE) for s in shards)
+    cache_blocks = total_blocks // 2
+    args = (*PLAIN_ARGS, "--cache-size", str(cache_blocks * TEST_BLOCK_SIZE))
+    with mounted_spoke(hub.url, tmp_path, args) as spoke:
+        ratios = []
+        for _epoch in range(3):
+            before = spoke.stats()
+            read_all(spoke, dataset, shards)
+            after = spoke.stats()
+            hits = after["block_hits"] - before["block_hits"]
+            misses = after["block_misses"] - before["block_misses"]
+            ratios.append(hits / (hits + misses))
+        optimum = cache_blocks / total_blocks
+        # LRU or FIFO would hit nothing here: each block leaves just before its next use.
+        assert ratios[1] >= 0.8 * optimum, ratios
+        assert ratios[2] >= 0.8 * optimum, ratios
+
+
+def test_warm_then_hub_down_serves_every_warmed_byte(dataset: Path, tmp_path: Path) -> None:
+    with running_hub(dataset) as hub, mounted_spoke(hub.url, tmp_path, PLAIN_ARGS) as spoke:
+        result = run_cachefs("warm", spoke.mountpoint / "small", spoke.mountpoint / "shards/shard-000.bin", "--parallel", "4")
+        assert result.returncode == 0, result.stderr
+        assert "fetched from" in result.stdout
+        hub.stop()
+        warmed = [f"small/{p.relative_to(dataset / 'small')}" for p in (dataset / "small").rglob("*") if p.is_file()]
+        read_all(spoke, dataset, [*warmed, "shards/shard-000.bin"])
+        assert spoke.stats()["fetch_failures"] == 0
+        again = run_cachefs("warm", spoke.mountpoint / "small")
+        assert again.returncode == 0 and "0 B fetched" in again.stdout  # resumable: nothing left to fetch
+
+
+def test_pinned_files_survive_pressure_and_restart(dataset: Path, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    pinned = "shards/shard-001.bin"  # 2 MiB = 32 blocks
+    args = (*PLAIN_ARGS, "--cache-size", str(40 * TEST_BLOCK_SIZE))
+    with running_hub(dataset) as hub:
+        with mounted_spoke(hub.url, tmp_path, args, cache_dir=cache_dir) as spoke:
+            result = run_cachefs("warm", "--pin", spoke.mountpoint / pinned)
+            assert result.returncode == 0, result.stderr
+            too_much = run_cachefs("warm", "--pin", spoke.mountpoint / "shards")
+            assert too_much.returncode == 1 and "cannot pin" in too_much.stderr
+            for _ in range(2):  # pressure: 3 MiB of other data through a 2.5 MiB cache
+                read_all(spoke, dataset, ["shards/shard-000.bin", "shards/shard-003.bin"])
+            assert spoke.stats()["pinned_bytes"] == (dataset / pinned).stat().st_size
+        hub.stop()
+        assert (cache_dir / "policy.sketch").stat().st_size > 0
+        with mounted_spoke(hub.url, tmp_path, args, cache_dir=cache_dir) as spoke:
+            assert spoke.stats()["pinned_bytes"] == (dataset / pinned).stat().st_size
+            read_all(spoke, dataset, [pinned])  # the hub is down: all of it from the cache
+            unpin = run_cachefs("unpin", spoke.mountpoint / pinned)
+            assert unpin.returncode == 0 and "unpinned 1" in unpin.stdout
+            assert spoke.stats()["pinned_bytes"] == 0
+
+
+def test_evict_and_purge_leave_no_cached_byte(hub, dataset: Path, tmp_path: Path) -> None:
+    marker = (dataset / "shards/shard-001.bin").read_bytes()[100_000:100_064]
+    other_marker = (dataset / "shards/shard-000.bin").read_bytes()[200_000:200_064]
+    with mounted_spoke(hub.url, tmp_path, PLAIN_ARGS) as spoke:
+        assert run_cachefs("warm", spoke.mountpoint / "shards").returncode == 0
+        assert cache_contains(spoke.cache_dir, marker) and cache_contains(spoke.cache_dir, other_marker)
+        evicted = run_cachefs("evict", spoke.mountpoint / "shards/shard-001.bin")
+        assert evicted.returncode == 0, evicted.stderr
+        assert not cache_contains(spoke.cache_dir, marker)
+        assert cache_contains(spoke.cache_dir, other_marker)
+        purged = run_cachefs("purge", "--all", spoke.mountpoint)
+        assert purged.returncode == 0, purged.stderr
+        assert not cache_contains(spoke.cache_dir, other_marker)
+        assert spoke.stats()["cached_bytes"] == 0
+        # Still a working mount: data comes back from the hub.
+        read_all(spoke, dataset, ["shards/shard-001.bin"])
+
+
+def cache_contains(cache_dir: Path, marker: bytes) -> bool:
+    for path in cache_dir.rglob("*"):
+        if path.is_file() and not path.is_socket() and marker in path.read_bytes():
+            return True
+    return False
+
+
+@pytest.fixture
+def small_filesystem(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs, so the cache dir fills up for real."""
+    path = tmp_path / "small-fs"
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_full_disk_keeps_serving_and_resumes_caching(hub, dataset: Path, tmp_path: Path, small_filesystem: Path) -> None:
+    cache_dir = small_filesystem / "cache"
+    with mounted_spoke(hub.url, tmp_path, PLAIN_ARGS, cache_dir=cache_dir) as spoke:
+        read_all(spoke, dataset, ["shards/shard-000.bin", "shards/shard-001.bin"])  # 5 MiB into 1 MiB of disk
+        stats = spoke.stats()
+        assert stats["store_errors"] > 0
+        assert spoke.log_text().count("until space returns") == 1
+        assert run_cachefs("purge", "--all", spoke.mountpoint).returncode == 0
+        read_all(spoke, dataset, ["shards/shard-002.bin"])
+        assert spoke.stats()["cached_bytes"] == TEST_BLOCK_SIZE  # caching again
+        assert "disk space returned" in spoke.log_text()
+
+
+def test_operator_commands_reject_bad_paths(spoke: SpokeMount, tmp_path: Path) -> None:
+    missing = run_cachefs("warm", spoke.mountpoint / "no-such-dir")
+    assert missing.returncode == 1 and "no such file" in missing.stderr
+    outside = run_cachefs("evict", tmp_path)
+    assert outside.returncode == 1 and "not inside a cachefs mount" in outside.stderr
+    os.stat(spoke.mountpoint)  # the mount is still fine
