@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -47,9 +47,14 @@ class Admin:
         self._fetcher = fetcher
         self._stats = stats
         self._forget_memory = forget_memory
+        self._refresh: Callable[[], Awaitable[dict[str, Any]]] | None = None
+
+    def on_refresh(self, refresh: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        self._refresh = refresh
 
     def handlers(self) -> dict[str, Handler]:
         return {
+            "refresh": self.refresh,
             "stats": self.stats,
             "warm": self.warm,
             "unpin": self.unpin,
@@ -133,6 +138,17 @@ class Admin:
                  result["files_total"], result["fetched_bytes"], self._config.hub_url,
                  result["cached_before_bytes"], result["failed_files"])
         return result
+
+    async def refresh(self, request: dict[str, Any], progress: Progress) -> dict[str, Any]:
+        """Move the mount to the hub's current generation."""
+        if self._refresh is None:
+            raise CachefsError("refresh is not available")
+        try:
+            return await self._refresh()
+        except HubError as exc:
+            raise CachefsError(f"cannot refresh: {exc}") from None
+        except trio.TooSlowError:
+            raise CachefsError("cannot refresh: the hub did not answer in time") from None
 
     async def unpin(self, request: dict[str, Any], progress: Progress) -> dict[str, Any]:
         files = self._files(request.get("paths"))

@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--fetch-timeout", type=float, default=30.0, metavar="SECONDS",
         help="a read needing the hub fails with EIO after this long, retries included (default: 30)",
     )
+    mount.add_argument(
+        "--refresh-interval", type=float, default=None, metavar="SECONDS",
+        help="move to the hub's newest snapshot automatically, checking this often (default: only on `cachefs refresh`)",
+    )
     mount.add_argument("--mount-timeout", type=float, default=300.0, metavar="SECONDS", help="give up mounting after this long (default: 300)")
     mount.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground and log to stderr")
     mount.add_argument("--debug", action="store_true", help="verbose logging")
@@ -108,6 +112,7 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
         max_connections=args.max_connections,
         readahead_blocks=args.readahead_blocks,
         sibling_prefetch_files=args.prefetch_siblings,
+        refresh_interval_s=args.refresh_interval,
         fetch_timeout_s=args.fetch_timeout,
         foreground=args.foreground,
         debug=args.debug,

@@ -34,13 +34,18 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
     purge.add_argument("--all", action="store_true", required=True, help="required: confirms dropping everything")
     purge.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path, nargs="?", help="needed if several cachefs mounts exist")
 
+    refresh = commands.add_parser("refresh", help="move a mount to the hub's newest snapshot")
+    refresh.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path)
+
     stats = commands.add_parser("stats", help="show cache statistics of a mount")
     stats.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path)
     stats.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def run(args: argparse.Namespace) -> int:
-    command = {"warm": _warm, "unpin": _unpin, "evict": _evict, "purge": _purge, "stats": _stats}[args.command]
+    command = {
+        "warm": _warm, "unpin": _unpin, "evict": _evict, "purge": _purge, "stats": _stats, "refresh": _refresh,
+    }[args.command]
     return command(args)
 
 
@@ -137,6 +142,18 @@ def _purge(args: argparse.Namespace) -> int:
         mountpoint = mounts[0]
     result = control.call(_socket(mountpoint), {"command": "purge", "all": True})
     print(f"cachefs: purged {result['purged_blocks']} cached blocks of {mountpoint}")
+    return 0
+
+
+def _refresh(args: argparse.Namespace) -> int:
+    mountpoint = cachefs_mount(args.mountpoint)
+    result = control.call(_socket(mountpoint), {"command": "refresh"})
+    if not result["changed"]:
+        print(f"cachefs: {mountpoint} already shows the hub's newest snapshot ({result['generation']})")
+    else:
+        print(f"cachefs: {mountpoint} now shows generation {result['generation']} (was {result['previous_generation']}): "
+              f"{result['changed_entries']} entries changed, {result['removed_entries']} removed, "
+              f"{result['dropped_blocks']} stale cached blocks dropped")
     return 0
 
 

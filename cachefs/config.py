@@ -119,5 +119,8 @@ class MountConfig:
     attr_timeout_s: float = 3600.0
     # Raised kernel readahead for the mount (KiB): big FUSE read requests.
     kernel_readahead_kb: int = 4096
+    # Poll the hub for a new generation every this many seconds and move to
+    # it; None: only on `cachefs refresh` (a job sees one snapshot).
+    refresh_interval_s: float | None = None
     foreground: bool = False
     debug: bool = False

@@ -10,11 +10,11 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import gzip
 import logging
 import os
 import signal
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import pyfuse3
@@ -26,13 +26,14 @@ from .cache import BlockCache
 from .config import MountConfig
 from .control import SOCKET_NAME, ControlServer
 from .db import Database, get_meta, open_database, put_meta
-from .errors import CacheDirInUse, CachefsError, HubError, UsageError
+from .errors import CacheDirInUse, CachefsError, UsageError
 from .fetcher import Fetcher
 from .fs import CachefsOperations
-from .hub_client import HubClient, parse_json
+from .hub_client import HubClient
 from .metrics import Stats
 from .mountpoints import find_mount
-from .namespace import Namespace, load_manifest
+from .namespace import Namespace, NamespaceChanges
+from .snapshots import Snapshots
 from .reader import Reader
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,8 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
         read_timeout_s=config.read_timeout_s,
     )
     namespace = Namespace(db)
-    await _sync_manifest(client, db, namespace, config)
+    snapshots = Snapshots(config, client, db, namespace)
+    await snapshots.load_at_mount()
     cache = BlockCache(db, config.cache_dir, config.cache_size_bytes, config.block_size_bytes, stats)
     fetcher = Fetcher(
         client,
@@ -135,6 +137,7 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
                 nursery=nursery,
             )
             admin = Admin(config, namespace, cache, fetcher, stats, reader.forget_memory)
+            admin.on_refresh(lambda: snapshots.refresh(cache, _invalidate_kernel_caches))
             operations = CachefsOperations(
                 namespace,
                 reader,
@@ -148,6 +151,8 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
             mounted = True
             nursery.start_soon(_terminate_on_signal)
             nursery.start_soon(_save_policy_periodically, cache)
+            if config.refresh_interval_s:
+                nursery.start_soon(snapshots.poll, config.refresh_interval_s, cache, _invalidate_kernel_caches)
             nursery.start_soon(_serve_fuse, nursery.cancel_scope)
             await _raise_kernel_readahead(config, operations)
             notify("ready")
@@ -192,48 +197,25 @@ async def _terminate_on_signal() -> None:
             return
 
 
-async def _sync_manifest(client: HubClient, db: Database, namespace: Namespace, config: MountConfig) -> None:
-    """Download the hub's manifest and load it if its generation is new.
+async def _invalidate_kernel_caches(changes: NamespaceChanges) -> None:
+    """Make the kernel forget attributes, names and pages of what a new generation changed."""
 
-    With the hub unreachable, a manifest kept from an earlier mount is used
-    (cached blocks stay readable); without one, mounting fails.
-    """
-    stored = namespace.summary()
+    def invalidate() -> None:
+        for ino in changes.changed:
+            _ignore_missing(pyfuse3.invalidate_inode, ino)
+        for parent, name, ino in changes.removed:
+            _ignore_missing(pyfuse3.invalidate_entry, parent, name)
+            _ignore_missing(pyfuse3.invalidate_inode, ino)
+
+    await trio.to_thread.run_sync(invalidate)
+
+
+def _ignore_missing(function: Callable[..., None], *args: Any) -> None:
     try:
-        tmp = config.cache_dir / "tmp" / "manifest.ndjson.gz"
-        tmp.parent.mkdir(mode=0o700, exist_ok=True)
-        with trio.fail_after(max(config.fetch_timeout_s, 60.0)):
-            generation = await _download_manifest(client, tmp, stored.generation if stored else None)
-    except (HubError, trio.TooSlowError) as exc:
-        reason = str(exc) or "timed out"
-        if stored is None:
-            raise HubError(f"cannot get the manifest from hub {config.hub_url}: {reason}") from None
-        log.warning("hub %s unreachable (%s); serving the cached snapshot %s offline", config.hub_url, reason, stored.generation)
-        return
-    if generation is not None:
-        await trio.to_thread.run_sync(load_manifest, db, tmp)
-        put_meta(db, "hub_url", str(config.hub_url))
-    tmp.unlink(missing_ok=True)
-
-
-async def _download_manifest(client: HubClient, path: Path, known_generation: str | None) -> str | None:
-    """Save the manifest to `path`; None if its generation is `known_generation`."""
-    lines = client.manifest_lines()
-    try:
-        first_line = await lines.__anext__()
-        header = parse_json(first_line)
-        if header.get("generation") == known_generation:
-            log.info("manifest generation %s is already loaded", known_generation)
-            return None
-        with gzip.open(path, "wb", compresslevel=1) as out:
-            out.write(first_line + b"\n")
-            async for line in lines:
-                out.write(line + b"\n")
-    except StopAsyncIteration:
-        raise HubError("the hub sent an empty manifest") from None
-    finally:
-        await lines.aclose()
-    return str(header.get("generation"))
+        function(*args)
+    except OSError as exc:  # ENOENT: the kernel did not know it, nothing to forget
+        if exc.errno != errno.ENOENT:
+            log.warning("cannot invalidate %s: %s", args, exc)
 
 
 async def _raise_kernel_readahead(config: MountConfig, operations: CachefsOperations) -> None:

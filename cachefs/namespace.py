@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
+import xxhash
 
 from .db import Database
 from .errors import HubProtocolError
@@ -114,6 +115,12 @@ class Namespace:
                 if data is not None:
                     yield position + 1, value[8:], _unpack_inode(ino, data)
 
+    def file_version(self, file_id: bytes) -> bytes | None:
+        """The version of the file with this hub id in the loaded snapshot (None if absent)."""
+        number = int.from_bytes(file_id, "big")
+        inode = self.get(number if number > ROOT_INODE else number + 2)
+        return inode.version if inode is not None and inode.is_file and inode.file_id == file_id else None
+
     def resolve(self, path: str) -> Inode | None:
         """The entry at a '/'-separated path relative to the root (no symlinks followed)."""
         inode = self.get(ROOT_INODE)
@@ -157,24 +164,65 @@ class Namespace:
         return ManifestSummary(generation.decode(), entries, file_bytes)
 
 
-def load_manifest(db: Database, manifest_gz: Path) -> ManifestSummary:
-    """Replace the namespace with the manifest in `manifest_gz` (one transaction)."""
+@dataclasses.dataclass
+class NamespaceChanges:
+    """What a new generation changed, for the kernel's caches to be told."""
+
+    changed: list[int] = dataclasses.field(default_factory=list)  # inodes whose attributes or content changed
+    removed: list[tuple[int, bytes, int]] = dataclasses.field(default_factory=list)  # (parent, name, inode)
+
+
+def inode_number(path: str) -> int:
+    """Stable inode numbers: a hash of the path, so they survive a new generation.
+
+    For files this equals the hub's file id. 0 and 1 (the root) are avoided.
+    """
+    if path == "":
+        return ROOT_INODE
+    number = xxhash.xxh3_64_intdigest(os.fsencode(path))
+    return number if number > ROOT_INODE else number + 2
+
+
+def load_manifest(db: Database, manifest_gz: Path) -> tuple[ManifestSummary, NamespaceChanges]:
+    """Replace the namespace with the manifest in `manifest_gz` (one transaction).
+
+    Returns the summary and what changed against the namespace it replaces.
+    """
     with gzip.open(manifest_gz, "rb") as stream:
-        lines = (json.loads(line) for line in stream if line.strip())
+        lines = (_parse_line(line) for line in stream if line.strip())
         try:
             header = next(lines)
         except StopIteration:
             raise HubProtocolError("the hub's manifest is empty") from None
         _check_header(header)
         with db.env.begin(write=True) as txn:
-            for table in (db.inodes, db.names, db.dirents):
+            old_names = _old_names(txn, db)
+            for table in (db.names, db.dirents):
                 txn.drop(table, delete=False)
-            entries, file_bytes = _write_entries(txn, db, lines)
+            entries, file_bytes, changes = _write_entries(txn, db, lines, old_names)
             txn.put(b"generation", str(header["generation"]).encode(), db=db.meta)
             txn.put(b"entries", str(entries).encode(), db=db.meta)
             txn.put(b"file_bytes", str(file_bytes).encode(), db=db.meta)
     log.info("loaded manifest generation %s: %d entries, %d file bytes", header["generation"], entries, file_bytes)
-    return ManifestSummary(str(header["generation"]), entries, file_bytes)
+    return ManifestSummary(str(header["generation"]), entries, file_bytes), changes
+
+
+def _parse_line(line: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(line)
+    except ValueError as exc:
+        raise HubProtocolError(f"corrupt manifest line: {exc}") from None
+    if not isinstance(value, dict):
+        raise HubProtocolError("corrupt manifest line: not an object")
+    return value
+
+
+def _old_names(txn: lmdb.Transaction, db: Database) -> dict[int, tuple[int, bytes]]:
+    """inode -> (parent, name) of the namespace being replaced."""
+    names = {}
+    for key, value in txn.cursor(db=db.names):
+        names[_INO.unpack(value)[0]] = (_INO.unpack(key[:8])[0], bytes(key[8:]))
+    return names
 
 
 def _check_header(header: dict[str, Any]) -> None:
@@ -184,21 +232,25 @@ def _check_header(header: dict[str, Any]) -> None:
         raise HubProtocolError("manifest header has no generation")
 
 
-def _write_entries(txn: lmdb.Transaction, db: Database, lines: Iterator[dict[str, Any]]) -> tuple[int, int]:
-    """Assign inode numbers in manifest order; parents always come before children."""
-    dir_inodes: dict[str, int] = {}
+def _write_entries(
+    txn: lmdb.Transaction, db: Database, lines: Iterator[dict[str, Any]], old_names: dict[int, tuple[int, bytes]]
+) -> tuple[int, int, NamespaceChanges]:
+    """Write every entry; parents always come before children in a manifest."""
     next_position: dict[int, int] = {}
-    next_ino = ROOT_INODE
+    seen: set[int] = set()
+    changes = NamespaceChanges()
     entries = file_bytes = 0
     for entry in lines:
         try:
-            path, inode = entry["p"], _entry_to_inode(entry, next_ino, dir_inodes)
+            path, inode = entry["p"], _entry_to_inode(entry)
         except (KeyError, TypeError, ValueError) as exc:
             raise HubProtocolError(f"malformed manifest entry {str(entry)[:120]}: {exc!r}") from None
-        if path == "":
-            if next_ino != ROOT_INODE or not inode.is_dir:
-                raise HubProtocolError("manifest does not start with the root directory")
-        else:
+        if entries == 0 and (path != "" or not inode.is_dir):
+            raise HubProtocolError("manifest does not start with the root directory")
+        if inode.ino in seen or (inode.parent not in seen and path != ""):
+            raise HubProtocolError(f"manifest entry {path!r} is duplicated or comes before its directory")
+        seen.add(inode.ino)
+        if path != "":
             name = os.fsencode(path.rpartition("/")[2])
             position = next_position.get(inode.parent, 0)
             next_position[inode.parent] = position + 1
@@ -206,26 +258,41 @@ def _write_entries(txn: lmdb.Transaction, db: Database, lines: Iterator[dict[str
             key = _INO.pack(inode.parent)
             txn.put(key + name, _INO.pack(inode.ino), db=db.names)
             txn.put(key + _POS.pack(position), _INO.pack(inode.ino) + name, db=db.dirents)
-        txn.put(_INO.pack(inode.ino), _pack_inode(inode), db=db.inodes)
-        if inode.is_dir:
-            dir_inodes[path] = inode.ino
+        packed = _pack_inode(inode)
+        old = txn.get(_INO.pack(inode.ino), db=db.inodes)
+        if old is not None and _without_position(old) != _without_position(packed):
+            changes.changed.append(inode.ino)
+        txn.put(_INO.pack(inode.ino), packed, db=db.inodes)
         file_bytes += inode.size if inode.is_file else 0
         entries += 1
-        next_ino += 1
     if entries == 0:
         raise HubProtocolError("manifest has no root entry")
-    return entries, file_bytes
+    for ino, (parent, name) in old_names.items():
+        if ino not in seen:
+            txn.delete(_INO.pack(ino), db=db.inodes)
+            changes.removed.append((parent, name, ino))
+    return entries, file_bytes, changes
 
 
-def _entry_to_inode(entry: dict[str, Any], ino: int, dir_inodes: dict[str, int]) -> Inode:
+def _without_position(packed: bytes) -> bytes:
+    """An inode record minus its directory position (a reorder is no change)."""
+    position_at = _ATTRS.size - _POS.size
+    return packed[:position_at] + packed[_ATTRS.size :]
+
+
+def _entry_to_inode(entry: dict[str, Any]) -> Inode:
     path: str = entry["p"]
+    if not isinstance(path, str) or path.startswith("/") or "\0" in path or ".." in path.split("/"):
+        raise ValueError("invalid path")
     kind = _KINDS[entry["k"]]
-    parent = ROOT_INODE if path == "" else dir_inodes[path.rpartition("/")[0]]
-    common = dict(ino=ino, kind=kind, mode=int(entry["m"]) & 0o7777, mtime_ns=int(entry["t"]), parent=parent)
+    parent = ROOT_INODE if path == "" else inode_number(path.rpartition("/")[0])
+    common = dict(ino=inode_number(path), kind=kind, mode=int(entry["m"]) & 0o7777, mtime_ns=int(entry["t"]), parent=parent)
     if kind == KIND_FILE:
         file_id, version = bytes.fromhex(entry["i"]), bytes.fromhex(entry["v"])
         if len(file_id) != 8 or len(version) != 8:
             raise ValueError("file id and version must be 16 hex digits")
+        if int.from_bytes(file_id, "big") != xxhash.xxh3_64_intdigest(os.fsencode(path)):
+            raise ValueError("file id does not match the path")
         return Inode(size=int(entry["s"]), file_id=file_id, version=version, **common)
     if kind == KIND_SYMLINK:
         target = os.fsencode(entry["l"])

@@ -7,7 +7,7 @@ import os
 import shutil
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import lmdb
@@ -196,6 +196,16 @@ class BlockCache:
                 self.remove(key)
                 freed += length
         return freed
+
+    def drop_stale(self, version_of: Callable[[bytes], bytes | None]) -> int:
+        """Drop blocks of file versions the snapshot no longer has; returns how many."""
+        dropped = 0
+        stale = [key for key in self.index.iter_keys() if version_of(key.file_id) != key.version]
+        with self._lock:
+            for key in stale:
+                self.remove(key)
+                dropped += 1
+        return dropped
 
     def purge(self) -> int:
         """Drop every cached block and remove the block files; returns the block count."""

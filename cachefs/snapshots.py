@@ -1,0 +1,121 @@
+"""Which snapshot the mount shows: the manifest at mount time, and moving to a new generation.
+
+A mount shows one generation of the hub's tree. `refresh` moves it to the
+hub's current one: the new manifest replaces the namespace in one LMDB
+transaction; the kernel is told to forget the attributes, names and page
+cache of what changed; cached blocks of changed or removed files are
+dropped (unchanged files keep theirs, since blocks are keyed by version).
+Files already open keep reading the version they opened: its cached blocks
+still serve, uncached ones fail with ESTALE (the hub answers 412), never a
+mix of versions.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from .cache import BlockCache
+from .config import MountConfig
+from .db import Database, put_meta
+from .errors import HubError
+from .hub_client import HubClient, parse_json
+from .namespace import Namespace, NamespaceChanges, load_manifest
+
+log = logging.getLogger(__name__)
+
+Invalidate = Callable[[NamespaceChanges], Awaitable[None]]
+
+
+class Snapshots:
+    """Loads manifests into the namespace and keeps the cache consistent with them."""
+
+    def __init__(self, config: MountConfig, client: HubClient, db: Database, namespace: Namespace) -> None:
+        self._config = config
+        self._client = client
+        self._db = db
+        self._namespace = namespace
+        self._manifest_path = config.cache_dir / "tmp" / "manifest.ndjson.gz"
+        self._lock = trio.Lock()
+
+    async def load_at_mount(self) -> None:
+        """Load the hub's manifest if it is new; offline, keep the stored one (if any)."""
+        stored = self._namespace.summary()
+        try:
+            generation = await self._download(stored.generation if stored else None)
+        except (HubError, trio.TooSlowError) as exc:
+            reason = str(exc) or "timed out"
+            if stored is None:
+                raise HubError(f"cannot get the manifest from hub {self._config.hub_url}: {reason}") from None
+            log.warning("hub %s unreachable (%s); serving the cached snapshot %s offline",
+                        self._config.hub_url, reason, stored.generation)
+            return
+        if generation is not None:
+            await trio.to_thread.run_sync(load_manifest, self._db, self._manifest_path)
+            put_meta(self._db, "hub_url", str(self._config.hub_url))
+        self._manifest_path.unlink(missing_ok=True)
+
+    async def refresh(self, cache: BlockCache, invalidate: Invalidate) -> dict[str, Any]:
+        """Move to the hub's current generation; a no-op if it is the one shown."""
+        async with self._lock:
+            old = self._namespace.summary()
+            generation = await self._download(old.generation if old else None)
+            if generation is None:
+                return {"generation": old.generation if old else None, "changed": False}
+            summary, changes = await trio.to_thread.run_sync(load_manifest, self._db, self._manifest_path)
+            self._manifest_path.unlink(missing_ok=True)
+            await invalidate(changes)
+            dropped = await trio.to_thread.run_sync(cache.drop_stale, self._namespace.file_version)
+            log.info("moved from generation %s to %s: %d entries changed, %d removed, %d cached blocks dropped",
+                     old.generation if old else None, summary.generation, len(changes.changed), len(changes.removed), dropped)
+            return {
+                "previous_generation": old.generation if old else None,
+                "generation": summary.generation,
+                "changed": True,
+                "changed_entries": len(changes.changed),
+                "removed_entries": len(changes.removed),
+                "dropped_blocks": dropped,
+            }
+
+    async def poll(self, interval_s: float, cache: BlockCache, invalidate: Invalidate) -> None:
+        """Refresh whenever the hub's generation differs (background task)."""
+        while True:
+            await trio.sleep(interval_s)
+            try:
+                with trio.fail_after(self._config.fetch_timeout_s):
+                    health = await self._client.healthz()
+                summary = self._namespace.summary()
+                if summary is not None and health.get("generation") != summary.generation:
+                    await self.refresh(cache, invalidate)
+            except (HubError, trio.TooSlowError) as exc:
+                log.info("generation poll failed: %s", exc or "timed out")
+
+    async def _download(self, known_generation: str | None) -> str | None:
+        """Save the manifest to disk; None if its generation is `known_generation`."""
+        self._manifest_path.parent.mkdir(mode=0o700, exist_ok=True)
+        with trio.fail_after(max(self._config.fetch_timeout_s, 60.0)):
+            return await _download_manifest(self._client, self._manifest_path, known_generation)
+
+
+async def _download_manifest(client: HubClient, path: Path, known_generation: str | None) -> str | None:
+    lines = client.manifest_lines()
+    try:
+        first_line = await lines.__anext__()
+        header = parse_json(first_line)
+        if header.get("generation") == known_generation:
+            log.info("manifest generation %s is already loaded", known_generation)
+            return None
+        with gzip.open(path, "wb", compresslevel=1) as out:
+            out.write(first_line + b"\n")
+            async for line in lines:
+                out.write(line + b"\n")
+    except StopAsyncIteration:
+        raise HubError("the hub sent an empty manifest") from None
+    finally:
+        await lines.aclose()
+    return str(header.get("generation"))

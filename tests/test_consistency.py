@@ -1,0 +1,78 @@
+"""One snapshot per mount: a changed file never reads as a mix of versions; refresh moves on."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from dataset import TEST_BLOCK_SIZE
+from hub_helpers import running_hub
+from mount_helpers import mounted_spoke, run_cachefs
+from test_mount import read_uncached
+
+from conftest import SPOKE_ARGS
+
+ARGS = (*SPOKE_ARGS, "--readahead-blocks", "0", "--prefetch-siblings", "0")
+
+
+def test_changed_file_is_refused_not_mixed_and_refresh_moves_on(dataset: Path, tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    shutil.copytree(dataset, source, symlinks=True)
+    changed, unchanged = source / "shards/shard-001.bin", source / "shards/shard-000.bin"
+    old_bytes = changed.read_bytes()
+    with running_hub(source) as hub:
+        port = hub.port
+        with mounted_spoke(hub.url, tmp_path, ARGS) as spoke:
+            mounted_changed = spoke.mountpoint / "shards/shard-001.bin"
+            mounted_unchanged = spoke.mountpoint / "shards/shard-000.bin"
+            # Cache the first block of the file that will change, and all of the other.
+            assert read_uncached(mounted_changed, 0, TEST_BLOCK_SIZE) == old_bytes[:TEST_BLOCK_SIZE]
+            assert read_uncached(mounted_unchanged) == unchanged.read_bytes()
+
+            new_bytes = os.urandom(len(old_bytes) + 5000)
+            changed.write_bytes(new_bytes)
+
+            # The mount still shows the old snapshot: cached blocks of it serve...
+            assert read_uncached(mounted_changed, 0, TEST_BLOCK_SIZE) == old_bytes[:TEST_BLOCK_SIZE]
+            # ...and uncached ones fail cleanly: the hub refuses bytes of another version.
+            with pytest.raises(OSError) as failure:
+                read_uncached(mounted_changed, 5 * TEST_BLOCK_SIZE, 100)
+            assert failure.value.errno == errno.ESTALE
+            assert "changed on the hub" in spoke.log_text()
+            assert mounted_changed.stat().st_size == len(old_bytes)
+
+            # A hub that rescans publishes a new generation; refresh moves the mount to it.
+            hub.stop()
+            with running_hub(source, ["--listen", f"127.0.0.1:{port}"]):
+                fetched_before = spoke.stats()["fetched_bytes"]
+                result = run_cachefs("refresh", spoke.mountpoint)
+                assert result.returncode == 0, result.stderr
+                assert "now shows generation" in result.stdout and "1 entries changed" in result.stdout
+                assert mounted_changed.stat().st_size == len(new_bytes)
+                assert read_uncached(mounted_changed) == new_bytes
+                # The unchanged file kept its cached blocks.
+                fetched = spoke.stats()["fetched_bytes"] - fetched_before
+                assert read_uncached(mounted_unchanged) == unchanged.read_bytes()
+                assert spoke.stats()["fetched_bytes"] - fetched_before == fetched
+                again = run_cachefs("refresh", spoke.mountpoint)
+                assert again.returncode == 0 and "already shows" in again.stdout
+
+
+def test_removed_and_added_files_after_refresh(dataset: Path, tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    shutil.copytree(dataset, source, symlinks=True)
+    with running_hub(source) as hub:
+        port = hub.port
+        with mounted_spoke(hub.url, tmp_path, ARGS) as spoke:
+            assert (spoke.mountpoint / "with space.txt").read_text() == "a name with a space\n"
+            os.unlink(source / "with space.txt")
+            (source / "new.txt").write_text("added later\n")
+            hub.stop()
+            with running_hub(source, ["--listen", f"127.0.0.1:{port}"]):
+                assert run_cachefs("refresh", spoke.mountpoint).returncode == 0
+                assert not (spoke.mountpoint / "with space.txt").exists()
+                assert (spoke.mountpoint / "new.txt").read_text() == "added later\n"
+                assert "new.txt" in os.listdir(spoke.mountpoint)
