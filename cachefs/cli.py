@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__, cli_admin
-from .config import MountConfig, parse_hub_url, parse_size, validate_block_size
+from .config import MountConfig, parse_hub_url, parse_listen, parse_size, validate_block_size
 from .errors import CachefsError, UsageError
 from .mountpoints import lazy_unmount, prepare_mountpoint
 
@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--refresh-interval", type=float, default=None, metavar="SECONDS",
         help="move to the hub's newest snapshot automatically, checking this often (default: only on `cachefs refresh`)",
     )
+    mount.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     mount.add_argument("--mount-timeout", type=float, default=300.0, metavar="SECONDS", help="give up mounting after this long (default: 300)")
     mount.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground and log to stderr")
     mount.add_argument("--debug", action="store_true", help="verbose logging")
@@ -113,6 +114,7 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
         readahead_blocks=args.readahead_blocks,
         sibling_prefetch_files=args.prefetch_siblings,
         refresh_interval_s=args.refresh_interval,
+        metrics_listen=parse_listen(args.metrics_listen) if args.metrics_listen else None,
         fetch_timeout_s=args.fetch_timeout,
         foreground=args.foreground,
         debug=args.debug,

@@ -68,6 +68,15 @@ def parse_hub_url(text: str) -> HubURL:
     return HubURL(host=parts.hostname, port=port or 80, prefix=parts.path.rstrip("/"))
 
 
+def parse_listen(text: str) -> tuple[str, int]:
+    """'HOST:PORT' (or '[v6]:PORT') -> (host, port)."""
+    host, _, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise UsageError(f"invalid listen address {text!r}: expected HOST:PORT")
+    return host, int(port)
+
+
 def validate_block_size(size_bytes: int) -> int:
     """Block sizes are powers of two from 64 KiB to 64 MiB."""
     if size_bytes < 64 * KiB or size_bytes > 64 * MiB or size_bytes & (size_bytes - 1):
@@ -122,5 +131,7 @@ class MountConfig:
     # Poll the hub for a new generation every this many seconds and move to
     # it; None: only on `cachefs refresh` (a job sees one snapshot).
     refresh_interval_s: float | None = None
+    # Prometheus /metrics endpoint (host, port); off unless asked for.
+    metrics_listen: tuple[str, int] | None = None
     foreground: bool = False
     debug: bool = False

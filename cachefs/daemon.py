@@ -13,6 +13,7 @@ import fcntl
 import logging
 import os
 import signal
+import socket
 from collections.abc import Callable
 from typing import Any
 from pathlib import Path
@@ -30,7 +31,7 @@ from .errors import CacheDirInUse, CachefsError, UsageError
 from .fetcher import Fetcher
 from .fs import CachefsOperations
 from .hub_client import HubClient
-from .metrics import Stats
+from .metrics import Stats, serve_metrics
 from .mountpoints import find_mount
 from .namespace import Namespace, NamespaceChanges
 from .snapshots import Snapshots
@@ -59,6 +60,20 @@ class CacheDirLock:
 
     def release(self) -> None:
         os.close(self._fd)
+
+
+def sd_notify(message: str) -> None:
+    """Tell systemd (Type=notify units) about readiness; a no-op outside systemd."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]  # abstract namespace
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.sendto(message.encode(), address)
+    except OSError as exc:
+        log.warning("cannot notify systemd at %s: %s", address, exc)
 
 
 def tune_malloc() -> None:
@@ -141,12 +156,15 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
             operations = CachefsOperations(
                 namespace,
                 reader,
+                stats,
                 uid=os.getuid(),
                 gid=os.getgid(),
                 attr_timeout_s=config.attr_timeout_s,
                 stats_json=lambda: {"pid": os.getpid(), **admin.snapshot()},
             )
             await nursery.start(ControlServer(admin.handlers()).serve, config.cache_dir / SOCKET_NAME)
+            if config.metrics_listen is not None:
+                _serve_metrics(config, stats, cache, fetcher)
             _init_fuse(operations, config)
             mounted = True
             nursery.start_soon(_terminate_on_signal)
@@ -156,8 +174,10 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
             nursery.start_soon(_serve_fuse, nursery.cancel_scope)
             await _raise_kernel_readahead(config, operations)
             notify("ready")
+            sd_notify("READY=1")
             log.info("cachefs %s: %s mounted on %s", __version__, config.hub_url, config.mountpoint)
     finally:
+        sd_notify("STOPPING=1")
         if mounted:
             pyfuse3.close(unmount=True)
             log.info("unmounted %s", config.mountpoint)
@@ -180,6 +200,22 @@ async def _serve_fuse(scope: trio.CancelScope) -> None:
     """Answer FUSE requests until unmounted or terminated, then stop everything else."""
     await pyfuse3.main()
     scope.cancel()
+
+
+def _serve_metrics(config: MountConfig, stats: Stats, cache: BlockCache, fetcher: Fetcher) -> None:
+    assert config.metrics_listen is not None
+    try:
+        serve_metrics(config.metrics_listen, stats, lambda: {
+            "cachefs_cache_used_bytes": cache.used_bytes(),
+            "cachefs_cache_capacity_bytes": cache.capacity_bytes,
+            "cachefs_cache_pinned_bytes": cache.pinned_bytes(),
+            "cachefs_cache_blocks": cache.block_count(),
+            "cachefs_fetches_in_flight": fetcher.requests_in_flight,
+        })
+    except OSError as exc:
+        host, port = config.metrics_listen
+        raise UsageError(f"cannot serve metrics on {host}:{port}: {exc.strerror}") from None
+    log.info("metrics on http://%s:%d/metrics", *config.metrics_listen)
 
 
 async def _save_policy_periodically(cache: BlockCache) -> None:

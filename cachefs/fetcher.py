@@ -17,6 +17,7 @@ reader fetches a block that is on its way to disk.
 
 from __future__ import annotations
 
+import collections
 import logging
 import random
 from collections.abc import Callable, Sequence
@@ -26,7 +27,7 @@ import trio
 from .cache import BlockCache, BlockData, BlockKey
 from .errors import HubError, HubProtocolError, HubStatusError, HubUnavailable, RemoteFileChanged
 from .hub_client import HubClient
-from .metrics import Stats
+from .metrics import FETCH_DURATION, Stats
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ MAX_BACKOFF_S = 5.0
 # take; a full queue makes fetchers wait (backpressure), never drops data.
 WRITE_QUEUE_BLOCKS = 16
 WRITE_BATCH_BLOCKS = 16
+PREFETCHED_REMEMBERED = 4096
 
 
 class _Flight:
@@ -72,6 +74,10 @@ class Fetcher:
         self._fetch_timeout_s = fetch_timeout_s
         self._flights: dict[BlockKey, _Flight] = {}
         self._discarded: set[BlockKey] = set()
+        self.requests_in_flight = 0
+        # Blocks fetched by read-ahead and not read yet, to count how many are
+        # used (bounded: the oldest are forgotten).
+        self.prefetched: collections.OrderedDict[BlockKey, None] = collections.OrderedDict()
         self.prefetch_slots = trio.CapacityLimiter(max(1, prefetch_connections))
         self._write_send, self._write_receive = trio.open_memory_channel[tuple[BlockKey, BlockData, bool]](
             WRITE_QUEUE_BLOCKS
@@ -107,6 +113,9 @@ class Fetcher:
             if key in self._flights:
                 raise ValueError(f"{key} is already in flight")
             flights.append(self._flights.setdefault(key, _Flight()))
+            self.prefetched[key] = None
+        while len(self.prefetched) > PREFETCHED_REMEMBERED:
+            self.prefetched.popitem(last=False)
         return await self._run(list(keys), flights, start, list(lengths), force_admission)
 
     def discard_pending(self, predicate: Callable[[BlockKey], bool]) -> None:
@@ -164,24 +173,36 @@ class Fetcher:
         attempt = 0
         while True:
             attempt += 1
+            started = trio.current_time()
+            self.requests_in_flight += 1
             try:
                 with trio.fail_after(max(0.0, deadline - trio.current_time())):
                     pieces = await self._client.get_range(key.file_id.hex(), key.version.hex(), start, lengths)
                 self._stats.fetches += 1
                 self._stats.fetched_bytes += sum(lengths)
+                FETCH_DURATION.observe(trio.current_time() - started)
                 return pieces
             except trio.TooSlowError:
+                self._stats.hub_errors["timeout"] += 1
                 error: HubError = HubUnavailable(f"hub did not deliver {key} within {self._fetch_timeout_s:g} s")
-            except (HubUnavailable, HubProtocolError) as exc:
+            except HubUnavailable as exc:
+                self._stats.hub_errors["connection"] += 1
+                error = exc
+            except HubProtocolError as exc:
+                self._stats.hub_errors["protocol"] += 1
                 error = exc
             except RemoteFileChanged:
+                self._stats.hub_errors["changed"] += 1
                 self._stats.fetch_failures += 1
                 raise
             except HubStatusError as exc:
+                self._stats.hub_errors[f"http_{exc.status // 100}xx"] += 1
                 if not exc.retryable:
                     self._stats.fetch_failures += 1
                     raise
                 error = exc
+            finally:
+                self.requests_in_flight -= 1
             pause_s = random.uniform(0, backoff_s)  # full jitter
             if trio.current_time() + pause_s >= deadline:
                 log.warning("giving up on %s after %d attempts: %s", key, attempt, error)

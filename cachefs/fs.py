@@ -13,12 +13,14 @@ import json
 import logging
 import os
 import stat
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import pyfuse3
 
 from .errors import HubError, RemoteFileChanged
+from .metrics import READ_DURATION, Stats
 from .namespace import KIND_DIR, KIND_FILE, Inode, Namespace
 from .reader import OpenFile, Reader
 
@@ -29,19 +31,24 @@ _KIND_BITS = {KIND_DIR: stat.S_IFDIR, KIND_FILE: stat.S_IFREG}
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+# Answers that are part of normal use, not failures worth counting.
+_ROUTINE_ERRNOS = {errno.ENOENT, pyfuse3.ENOATTR}
 
 
 def _guarded(handler: F) -> F:
     """Turn unexpected exceptions into a logged EIO instead of a dead mount."""
 
     @functools.wraps(handler)
-    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+    async def wrapper(self: CachefsOperations, *args: Any, **kwargs: Any) -> Any:
         try:
-            return await handler(*args, **kwargs)
-        except pyfuse3.FUSEError:
+            return await handler(self, *args, **kwargs)
+        except pyfuse3.FUSEError as exc:
+            if exc.errno not in _ROUTINE_ERRNOS:
+                self.stats.fuse_errors[handler.__name__] += 1
             raise
         except Exception:
             log.exception("unexpected error in %s", handler.__name__)
+            self.stats.fuse_errors[handler.__name__] += 1
             raise pyfuse3.FUSEError(errno.EIO) from None
 
     return wrapper  # type: ignore[return-value]
@@ -62,6 +69,7 @@ class CachefsOperations(pyfuse3.Operations):
         self,
         namespace: Namespace,
         reader: Reader,
+        stats: Stats,
         *,
         uid: int,
         gid: int,
@@ -71,6 +79,7 @@ class CachefsOperations(pyfuse3.Operations):
         super().__init__()
         self._namespace = namespace
         self._reader = reader
+        self.stats = stats
         self._uid = uid
         self._gid = gid
         self._attr_timeout_s = attr_timeout_s
@@ -191,6 +200,7 @@ class CachefsOperations(pyfuse3.Operations):
         handle = self._handles.get(fh)
         if handle is None:
             raise pyfuse3.FUSEError(errno.EBADF)
+        started = time.monotonic()
         try:
             return await self._reader.read(handle, off, size)
         except RemoteFileChanged as exc:
@@ -199,6 +209,8 @@ class CachefsOperations(pyfuse3.Operations):
         except HubError as exc:
             log.error("cannot read %d bytes at %d of inode %d: %s", size, off, handle.inode.ino, exc)
             raise pyfuse3.FUSEError(errno.EIO) from None
+        finally:
+            READ_DURATION.observe(time.monotonic() - started)
 
     @_guarded
     async def release(self, fh: int) -> None:

@@ -139,12 +139,17 @@ class Reader:
                 data = self._cache.lookup(key)
             if data is not None:
                 self._memory.put(key, data)
+        if self._fetcher.prefetched.pop(key, False) is None:
+            self._stats.readahead_used += 1
         if data is not None:
             self._stats.block_hits += 1
             return data
         self._stats.block_misses += 1
-        start = blockno * self.block_size
-        data = await self._fetcher.fetch(key, start, self._block_length(inode, blockno))
+        started = trio.current_time()
+        try:
+            data = await self._fetcher.fetch(key, blockno * self.block_size, self._block_length(inode, blockno))
+        finally:
+            self._stats.stall_seconds += trio.current_time() - started
         self._memory.put(key, data)
         return data
 
