@@ -135,6 +135,7 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
         stats,
         fetch_timeout_s=config.fetch_timeout_s,
         prefetch_connections=min(config.prefetch_connections, max(1, config.max_connections - 4)),
+        block_size=config.block_size_bytes,
     )
     mounted = False
     try:

@@ -1,10 +1,12 @@
-"""Fetch blocks from the hub: single-flight, priorities, bounded retries, group-committed caching.
+"""Fetch blocks from the hub: single-flight, priorities, verified, bounded retries, group-committed caching.
 
 Every block being fetched has a *flight*; concurrent readers of it wait on
 the same flight, so a block is requested once. A run of contiguous blocks
 (read-ahead) is fetched with one ranged request. Fetches retry connection
 failures, timeouts, truncated bodies and 5xx answers with exponential
-backoff and jitter until `fetch_timeout_s` has passed, then fail.
+backoff and jitter until `fetch_timeout_s` has passed, then fail. Every
+block is checked against the hub's checksum of it (checksums.py); a
+mismatch is retried like a broken connection.
 
 Read-ahead uses at most `prefetch_connections` connections, so demand
 misses always find one free.
@@ -20,11 +22,14 @@ from __future__ import annotations
 import collections
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import trio
+import xxhash
 
 from .cache import BlockCache, BlockData, BlockKey
+from .checksums import BlockChecksums
 from .errors import HubError, HubProtocolError, HubStatusError, HubUnavailable, RemoteFileChanged
 from .hub_client import HubClient
 from .metrics import FETCH_DURATION, Stats
@@ -67,8 +72,10 @@ class Fetcher:
         *,
         fetch_timeout_s: float,
         prefetch_connections: int,
+        block_size: int,
     ) -> None:
         self._client = client
+        self._checksums = BlockChecksums(client, block_size)
         self._cache = cache
         self._stats = stats
         self._fetch_timeout_s = fetch_timeout_s
@@ -167,6 +174,31 @@ class Fetcher:
                         self._flights.pop(key, None)
                         self._discarded.discard(key)
 
+    async def _verified_range(self, key: BlockKey, start: int, lengths: list[int]) -> list[bytearray]:
+        """One attempt: the data and the hub's checksums of it, requested side by side."""
+        results: dict[str, Any] = {}
+
+        async def get(name: str, request: Callable[[], Awaitable[Any]]) -> None:
+            try:
+                results[name] = await request()
+            except HubError as exc:
+                results.setdefault("error", exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(get, "sums", lambda: self._checksums.expected(key, len(lengths)))
+            nursery.start_soon(
+                get, "pieces", lambda: self._client.get_range(key.file_id.hex(), key.version.hex(), start, lengths)
+            )
+        if "error" in results:
+            raise results["error"]
+        for offset, (piece, expected) in enumerate(zip(results["pieces"], results["sums"], strict=True)):
+            if xxhash.xxh3_64_intdigest(piece) != expected:
+                self._stats.integrity_failures += 1
+                self._checksums.forget(key, len(lengths))
+                raise HubProtocolError(f"block {key.blockno + offset} of file {key.file_id.hex()} failed its checksum")
+        pieces: list[bytearray] = results["pieces"]
+        return pieces
+
     async def _fetch_with_retries(self, key: BlockKey, start: int, lengths: list[int]) -> list[bytearray]:
         deadline = trio.current_time() + self._fetch_timeout_s
         backoff_s = FIRST_BACKOFF_S
@@ -177,7 +209,7 @@ class Fetcher:
             self.requests_in_flight += 1
             try:
                 with trio.fail_after(max(0.0, deadline - trio.current_time())):
-                    pieces = await self._client.get_range(key.file_id.hex(), key.version.hex(), start, lengths)
+                    pieces = await self._verified_range(key, start, lengths)
                 self._stats.fetches += 1
                 self._stats.fetched_bytes += sum(lengths)
                 FETCH_DURATION.observe(trio.current_time() - started)

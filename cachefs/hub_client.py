@@ -180,6 +180,22 @@ class HubClient:
                 raise HubProtocolError(f"hub sent {received} of {length} bytes for file {file_id} at {start}")
         return pieces
 
+    async def get_checksums(self, file_id: str, version: str, block_size: int, first: int, count: int) -> list[int]:
+        """xxh3_64 of blocks [first, first+count) of one file version (fewer at the end of the file)."""
+        target = f"/v1/files/{file_id}/checksums?v={version}&bs={block_size}&first={first}&count={count}"
+        body = bytearray()
+        async with self._request(target) as (response, conn):
+            if response.status == 412:
+                raise RemoteFileChanged(f"file {file_id} changed on the hub (412)")
+            await self._expect(response, conn, 200)
+            async for chunk in self._body(conn):
+                body += chunk
+                if len(body) > 8 * count:
+                    raise HubProtocolError(f"hub sent too many checksums for file {file_id}")
+        if len(body) % 8 or not body:
+            raise HubProtocolError(f"hub sent a malformed checksum list for file {file_id}")
+        return [int.from_bytes(body[i : i + 8], "big") for i in range(0, len(body), 8)]
+
     async def manifest_lines(self) -> AsyncIterator[bytes]:
         """Stream the manifest's NDJSON lines (header first), gunzipped, unparsed."""
         async with self._request("/v1/manifest") as (response, conn):

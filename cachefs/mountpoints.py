@@ -7,6 +7,7 @@ import errno
 import logging
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 from .errors import UsageError
@@ -63,8 +64,33 @@ def prepare_mountpoint(path: Path) -> Path:
         raise UsageError(f"mountpoint {path} is not a directory")
     mount = find_mount(path)
     if mount is not None:
-        raise UsageError(f"{path} is already a mountpoint ({mount.fstype}); unmount it first")
+        if mount.fstype == FSTYPE and _daemon_gone(path):
+            _clean_stale_mount(path)
+        else:
+            raise UsageError(f"{path} is already a mountpoint ({mount.fstype}); unmount it first")
     return path
+
+
+def _daemon_gone(path: Path, timeout_s: float = 5.0) -> bool:
+    """True if a FUSE mount's daemon no longer answers (ENOTCONN).
+
+    stat() alone can succeed on a dead mount from the kernel's attribute
+    cache, so the probe lists the directory, which always asks the daemon.
+    It runs in a thread so that a hung daemon cannot hang us.
+    """
+    outcome: list[bool] = []
+
+    def probe() -> None:
+        try:
+            os.listdir(path)
+            outcome.append(False)
+        except OSError as exc:
+            outcome.append(exc.errno == errno.ENOTCONN)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return bool(outcome and outcome[0])
 
 
 def _clean_stale_mount(path: Path) -> None:

@@ -7,6 +7,7 @@ import os
 import random
 import stat
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,10 @@ from mount_helpers import SpokeMount, is_mounted, mounted_spoke
 from conftest import SPOKE_ARGS
 
 
-def read_uncached(path: Path, offset: int = 0, length: int | None = None) -> bytes:
+def read_uncached(path: Path, offset: int = 0, length: int | None = None, timings: list[float] | None = None) -> bytes:
     """pread through the mount after dropping the kernel's page cache for the file,
-    so the bytes come from the daemon, not from an earlier read."""
+    so the bytes come from the daemon, not from an earlier read. `timings` gets
+    the duration of each pread (each one is a bounded FUSE request)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -27,7 +29,10 @@ def read_uncached(path: Path, offset: int = 0, length: int | None = None) -> byt
             length = os.fstat(fd).st_size - offset
         chunks = []
         while length > 0:
+            started = time.monotonic()
             chunk = os.pread(fd, length, offset)
+            if timings is not None:
+                timings.append(time.monotonic() - started)
             if not chunk:
                 break
             chunks.append(chunk)

@@ -1,0 +1,130 @@
+"""A fault-injecting HTTP proxy between spoke and hub, for tests.
+
+It forwards every request to the hub and, for file data and checksum
+requests, injects a fault with probability `fault_rate`: a 503, a dropped
+connection before the answer, a body cut short, one flipped bit, or a
+stall. The manifest passes untouched (mounting stays possible). Runs its
+own asyncio loop in a thread; `counts` says what was injected.
+
+    with running_fault_proxy(hub.url, fault_rate=0.3) as proxy:
+        mount(proxy.url, ...)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import random
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+FAULTS = ("error", "drop", "truncate", "flip", "stall")
+_FORWARDED = ("Range", "Authorization", "Accept-Encoding")
+
+
+@dataclass
+class FaultProxy:
+    hub_url: str
+    fault_rate: float
+    stall_s: float = 1.0
+    seed: int = 0
+    enabled: bool = True
+    counts: collections.Counter[str] = field(default_factory=collections.Counter)
+    url: str = ""
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+        self._lock = threading.Lock()
+
+    def _choose(self, path: str) -> str | None:
+        if not self.enabled or not path.startswith("/v1/files/"):
+            return None
+        with self._lock:
+            if self._rng.random() >= self.fault_rate:
+                self.counts["none"] += 1
+                return None
+            fault = self._rng.choice(FAULTS)
+            self.counts[fault] += 1
+            return fault
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        session: aiohttp.ClientSession = request.app["session"]
+        headers = {name: request.headers[name] for name in _FORWARDED if name in request.headers}
+        fault = self._choose(request.path)
+        if fault == "error":
+            return web.json_response({"error": "injected fault"}, status=503)
+        if fault == "drop":
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response(status=500)  # never reaches the client
+        try:
+            async with session.get(self.hub_url + request.path_qs, headers=headers, auto_decompress=False) as upstream:
+                body = await upstream.read()
+                status, upstream_headers = upstream.status, upstream.headers
+        except aiohttp.ClientError:
+            return web.json_response({"error": "hub unreachable"}, status=502)
+        response = web.StreamResponse(status=status)
+        for name in ("Content-Type", "Content-Range", "Content-Encoding", "ETag", "Cache-Control", "Accept-Ranges"):
+            if name in upstream_headers:
+                response.headers[name] = upstream_headers[name]
+        response.content_length = len(body)
+        await response.prepare(request)
+        if fault == "truncate" and len(body) > 1:
+            await response.write(body[: len(body) // 2])
+            assert request.transport is not None
+            request.transport.close()
+            return response
+        if fault == "flip" and body:
+            flipped = bytearray(body)
+            flipped[self._rng.randrange(len(flipped))] ^= 1 << self._rng.randrange(8)
+            body = bytes(flipped)
+        if fault == "stall":
+            await response.write(body[: len(body) // 2])
+            await asyncio.sleep(self.stall_s)
+            body = body[len(body) // 2 :]
+        await response.write(body)
+        await response.write_eof()
+        return response
+
+
+@contextlib.contextmanager
+def running_fault_proxy(hub_url: str, fault_rate: float, **options: object) -> Iterator[FaultProxy]:
+    """A FaultProxy on 127.0.0.1 (ephemeral port) for the duration of the block."""
+    proxy = FaultProxy(hub_url, fault_rate, **options)  # type: ignore[arg-type]
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    runner_box: list[web.AppRunner] = []
+
+    async def start() -> None:
+        app = web.Application()
+        app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64))
+        app.router.add_get("/{tail:.*}", proxy.handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        proxy.url = f"http://127.0.0.1:{port}"
+        runner_box.append(runner)
+        started.set()
+
+    async def stop() -> None:
+        runner = runner_box[0]
+        await runner.app["session"].close()
+        await runner.cleanup()
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=20)
+    try:
+        yield proxy
+    finally:
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=20)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=20)
+        loop.close()

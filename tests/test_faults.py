@@ -1,0 +1,193 @@
+"""Fault injection: broken responses, a hub that goes away, corrupted cache files, SIGKILL.
+
+Whatever happens, a read returns the source's bytes or fails cleanly
+(EIO/ESTALE) within its bound: never wrong bytes, never a hang.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+from dataset import TEST_BLOCK_SIZE, source_files
+from fault_proxy import running_fault_proxy
+from hub_helpers import running_hub
+from mount_helpers import SpokeMount, daemon_pid, is_mounted, mounted_spoke, run_cachefs
+from test_mount import read_uncached
+
+from conftest import SPOKE_ARGS
+
+log = logging.getLogger(__name__)
+
+FETCH_TIMEOUT_S = 20.0
+STRESS_SECONDS = 20.0
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.reads = self.errors = self.mismatches = 0
+        self.slowest_s = 0.0  # the slowest single read call
+        self.problems: list[str] = []
+
+    def record(self, seconds: float, ok: bool | None, what: str) -> None:
+        with self.lock:
+            self.reads += 1
+            self.slowest_s = max(self.slowest_s, seconds)
+            if ok is None:
+                self.errors += 1
+            elif not ok:
+                self.mismatches += 1
+                self.problems.append(what)
+
+
+def mixed_reader(spoke: SpokeMount, dataset: Path, files: list[Path], seed: int, stop: threading.Event, tally: Tally) -> None:
+    rng = random.Random(seed)
+    while not stop.is_set():
+        relative = rng.choice(files)
+        source = (dataset / relative).read_bytes()
+        pattern = rng.choice(["whole", "range", "range", "tail"])
+        if pattern == "whole" or not source:
+            offset, length = 0, len(source)
+        elif pattern == "tail":
+            offset, length = max(0, len(source) - rng.randrange(1, 3 * TEST_BLOCK_SIZE)), 4 * TEST_BLOCK_SIZE
+        else:
+            offset, length = rng.randrange(len(source)), rng.randrange(1, 300_000)
+        timings: list[float] = []
+        try:
+            got = read_uncached(spoke.mountpoint / relative, offset, length, timings)
+            ok: bool | None = got == source[offset : offset + length]
+        except OSError as exc:
+            assert exc.errno in (errno.EIO, errno.ESTALE), exc
+            ok = None
+        tally.record(max(timings, default=0.0), ok, f"{relative} {offset}+{length}")
+
+
+def flip_cached_bits(cache_dir: Path, stop: threading.Event, flips: list[int]) -> None:
+    rng = random.Random(99)
+    while not stop.wait(0.5):
+        blocks = [p for p in (cache_dir / "blocks").rglob("*") if p.is_file()]
+        if not blocks:
+            continue
+        victim = rng.choice(blocks)
+        try:
+            with open(victim, "r+b") as block:
+                size = os.fstat(block.fileno()).st_size
+                if size:
+                    position = rng.randrange(size)
+                    block.seek(position)
+                    byte = block.read(1)
+                    block.seek(position)
+                    block.write(bytes([byte[0] ^ 0x10]))
+                    flips.append(1)
+        except FileNotFoundError:
+            pass  # evicted meanwhile
+
+
+def test_stress_through_injected_faults(dataset: Path, tmp_path: Path) -> None:
+    files = source_files(dataset)
+    tally = Tally()
+    flips: list[int] = []
+    with running_hub(dataset) as hub, running_fault_proxy(hub.url, fault_rate=0.25, stall_s=1.0) as proxy:
+        port = hub.port
+        args = (*SPOKE_ARGS, "--fetch-timeout", str(FETCH_TIMEOUT_S), "--cache-size", str(40 * TEST_BLOCK_SIZE))
+        with mounted_spoke(proxy.url, tmp_path, args) as spoke:
+            stop = threading.Event()
+            workers = [threading.Thread(target=mixed_reader, args=(spoke, dataset, files, seed, stop, tally)) for seed in range(8)]
+            workers.append(threading.Thread(target=flip_cached_bits, args=(spoke.cache_dir, stop, flips)))
+            for worker in workers:
+                worker.start()
+            time.sleep(STRESS_SECONDS / 2)
+            hub.stop()  # the hub restarts in the middle of it all
+            time.sleep(2)
+            with running_hub(dataset, ["--listen", f"127.0.0.1:{port}"]):
+                time.sleep(STRESS_SECONDS / 2)
+                stop.set()
+                for worker in workers:
+                    worker.join(timeout=FETCH_TIMEOUT_S + 30)
+                assert not any(worker.is_alive() for worker in workers), "a reader hung"
+                stats = spoke.stats()
+    faults = dict(proxy.counts)
+    log.warning("stress: %d reads, %d errors returned, %d mismatches, slowest %.1f s, faults %s, "
+                "cache bit flips %d, stats %s", tally.reads, tally.errors, tally.mismatches, tally.slowest_s, faults,
+                len(flips), {k: stats[k] for k in ("integrity_failures", "corrupt_blocks", "fetch_retries", "fetch_failures")})
+    assert tally.mismatches == 0, tally.problems[:5]
+    assert tally.reads > 100
+    assert tally.slowest_s < FETCH_TIMEOUT_S + 15
+    assert all(faults.get(kind, 0) > 0 for kind in ("error", "drop", "truncate", "flip", "stall")), faults
+    assert stats["integrity_failures"] > 0  # flipped bits on the wire were caught
+    assert stats["fetch_retries"] > 0
+    assert tally.errors <= tally.reads // 10, (tally.errors, tally.reads)  # retries absorb nearly all faults
+
+
+def test_hub_down_fails_within_bound_and_recovers_without_remount(dataset: Path, tmp_path: Path) -> None:
+    with running_hub(dataset) as hub:
+        port = hub.port
+        with mounted_spoke(hub.url, tmp_path, (*SPOKE_ARGS, "--fetch-timeout", "2")) as spoke:
+            cached = "shards/shard-003.bin"
+            assert read_uncached(spoke.mountpoint / cached) == (dataset / cached).read_bytes()
+            hub.stop()
+            assert read_uncached(spoke.mountpoint / cached) == (dataset / cached).read_bytes()
+            started = time.monotonic()
+            try:
+                read_uncached(spoke.mountpoint / "shards/shard-001.bin", 0, 100)
+                raise AssertionError("an uncached read succeeded with the hub down")
+            except OSError as exc:
+                assert exc.errno == errno.EIO
+            assert time.monotonic() - started < 2 + 5
+            with running_hub(dataset, ["--listen", f"127.0.0.1:{port}"]):
+                relative = "shards/shard-001.bin"
+                assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
+            # And unmounting works while the hub is down.
+            started = time.monotonic()
+            result = run_cachefs("unmount", spoke.mountpoint)
+            assert result.returncode == 0, result.stderr
+            assert time.monotonic() - started < 15
+            assert not is_mounted(spoke.mountpoint)
+
+
+def wait_until_gone(pid: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"pid {pid} is still alive")
+
+
+def test_sigkill_in_the_middle_of_filling_leaves_a_consistent_cache(dataset: Path, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    files = source_files(dataset)
+    with running_hub(dataset) as hub, running_fault_proxy(hub.url, fault_rate=0.0) as proxy:
+        spoke = SpokeMount(tmp_path / "mnt", cache_dir, None)
+        with mounted_spoke(proxy.url, tmp_path, SPOKE_ARGS, cache_dir=cache_dir) as spoke:
+            stop = threading.Event()
+            tally = Tally()
+            readers = [threading.Thread(target=mixed_reader, args=(spoke, dataset, files, s, stop, tally)) for s in range(4)]
+            for reader in readers:
+                reader.start()
+            time.sleep(1.5)
+            assert spoke.pid is not None
+            os.kill(spoke.pid, signal.SIGKILL)
+            stop.set()
+            for reader in readers:
+                reader.join(timeout=30)
+            assert tally.mismatches == 0
+            wait_until_gone(spoke.pid)
+            result = run_cachefs("mount", proxy.url, spoke.mountpoint, "--cache-dir", cache_dir, *SPOKE_ARGS)
+            assert result.returncode == 0, result.stderr
+            spoke.pid = daemon_pid(cache_dir)
+            for relative in files:
+                assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes(), relative
+            stats = spoke.stats()
+            assert stats["corrupt_blocks"] == 0  # no torn block was ever indexed
+            on_disk = sum(f.stat().st_size for f in (cache_dir / "blocks").rglob("*") if f.is_file())
+            assert on_disk >= stats["cached_bytes"]
