@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__, cli_admin
-from .config import MountConfig, parse_hub_url, parse_listen, parse_size, validate_block_size
+from .config import MountConfig, parse_hub_url, parse_listen, parse_size, read_token, validate_block_size
 from .errors import CachefsError, UsageError
 from .mountpoints import lazy_unmount, prepare_mountpoint
 
 log = logging.getLogger("cachefs")
 
 LOG_FILE = "cachefs.log"
+TOKEN_ENV = "CACHEFS_HUB_TOKEN"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,8 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--refresh-interval", type=float, default=None, metavar="SECONDS",
         help="move to the hub's newest snapshot automatically, checking this often (default: only on `cachefs refresh`)",
     )
+    mount.add_argument(
+        "--token-file", type=Path, metavar="FILE",
+        help=f"bearer token for the hub, in a file of mode 0600 (or set ${TOKEN_ENV}); never on the command line",
+    )
+    mount.add_argument("--ca-file", type=Path, metavar="FILE", help="CA bundle to verify an https hub with (default: system CAs)")
+    mount.add_argument("--tls-cert", type=Path, metavar="FILE", help="client certificate for hubs that require mutual TLS")
+    mount.add_argument("--tls-key", type=Path, metavar="FILE", help="private key of --tls-cert")
     mount.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     mount.add_argument("--mount-timeout", type=float, default=300.0, metavar="SECONDS", help="give up mounting after this long (default: 300)")
+    mount.add_argument(
+        "--allow-other", action="store_true",
+        help="let other local users read the mount (file modes from the hub still apply); default: only you",
+    )
     mount.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground and log to stderr")
     mount.add_argument("--debug", action="store_true", help="verbose logging")
     mount.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
@@ -115,7 +127,12 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
         sibling_prefetch_files=args.prefetch_siblings,
         refresh_interval_s=args.refresh_interval,
         metrics_listen=parse_listen(args.metrics_listen) if args.metrics_listen else None,
+        token=read_token(args.token_file) if args.token_file else os.environ.get(TOKEN_ENV) or None,
+        ca_file=args.ca_file,
+        client_cert=args.tls_cert,
+        client_key=args.tls_key,
         fetch_timeout_s=args.fetch_timeout,
+        allow_other=args.allow_other,
         foreground=args.foreground,
         debug=args.debug,
     )

@@ -41,31 +41,51 @@ def format_size(size_bytes: float) -> str:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class HubURL:
-    """A parsed http://host:port[/prefix] address of a hub."""
+    """A parsed http(s)://host:port[/prefix] address of a hub."""
 
     host: str
     port: int
     prefix: str
+    tls: bool = False
 
     def __str__(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}{self.prefix}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}{self.prefix}"
 
 
 def parse_hub_url(text: str) -> HubURL:
-    """Validate a hub URL; only plain http is supported for now."""
+    """Validate a hub URL (http or https; credentials never go in it)."""
     try:
         parts = urllib.parse.urlsplit(text)
         port = parts.port
     except ValueError as exc:
         raise UsageError(f"invalid hub URL {text!r}: {exc}") from None
-    if parts.scheme != "http":
-        raise UsageError(f"invalid hub URL {text!r}: expected http://HOST[:PORT]")
+    if parts.scheme not in ("http", "https"):
+        raise UsageError(f"invalid hub URL {text!r}: expected http://HOST[:PORT] or https://HOST[:PORT]")
+    if parts.username or parts.password:
+        raise UsageError("credentials do not belong in the hub URL (they would show in `ps`): use --token-file")
     if not parts.hostname:
         raise UsageError(f"invalid hub URL {text!r}: no host name")
     if parts.query or parts.fragment:
         raise UsageError(f"invalid hub URL {text!r}: no query or fragment allowed")
-    return HubURL(host=parts.hostname, port=port or 80, prefix=parts.path.rstrip("/"))
+    tls = parts.scheme == "https"
+    return HubURL(host=parts.hostname, port=port or (443 if tls else 80), prefix=parts.path.rstrip("/"), tls=tls)
+
+
+def read_token(path: Path) -> str:
+    """The bearer token in a file: its first non-empty, non-comment line."""
+    try:
+        info = path.stat()
+        text = path.read_text()
+    except OSError as exc:
+        raise UsageError(f"cannot read token file {path}: {exc.strerror}") from None
+    if info.st_mode & 0o077:
+        raise UsageError(f"token file {path} is readable by group or others; chmod 600 it")
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            return line.split(":", 1)[1] if ":" in line and " " not in line.split(":", 1)[0] else line
+    raise UsageError(f"token file {path} holds no token")
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -131,7 +151,18 @@ class MountConfig:
     # Poll the hub for a new generation every this many seconds and move to
     # it; None: only on `cachefs refresh` (a job sees one snapshot).
     refresh_interval_s: float | None = None
+    # Bearer token for the hub, read from a file (never from the command line).
+    token: str | None = dataclasses.field(default=None, repr=False)
+    # TLS: CA bundle to verify the hub with (None: the system CAs) and an
+    # optional client certificate and key for mutual TLS.
+    ca_file: Path | None = None
+    client_cert: Path | None = None
+    client_key: Path | None = None
     # Prometheus /metrics endpoint (host, port); off unless asked for.
     metrics_listen: tuple[str, int] | None = None
+    # Let other local users use the mount (FUSE allow_other). Off: only the
+    # mounting user (and root) can; the hub's file modes are enforced either
+    # way (default_permissions).
+    allow_other: bool = False
     foreground: bool = False
     debug: bool = False

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 from collections.abc import Callable
 from typing import Any
 from pathlib import Path
@@ -124,6 +125,8 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
         max_connections=config.max_connections,
         connect_timeout_s=config.connect_timeout_s,
         read_timeout_s=config.read_timeout_s,
+        token=config.token,
+        ssl_context=_ssl_context(config),
     )
     namespace = Namespace(db)
     snapshots = Snapshots(config, client, db, namespace)
@@ -189,6 +192,8 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
 def _init_fuse(operations: CachefsOperations, config: MountConfig) -> None:
     options = set(pyfuse3.default_options)  # default_permissions: enforce the hub's modes
     options |= {"fsname=cachefs", "subtype=cachefs", "ro"}
+    if config.allow_other:
+        options.add("allow_other")
     if config.debug:
         options.add("debug")
     try:
@@ -201,6 +206,20 @@ async def _serve_fuse(scope: trio.CancelScope) -> None:
     """Answer FUSE requests until unmounted or terminated, then stop everything else."""
     await pyfuse3.main()
     scope.cancel()
+
+
+def _ssl_context(config: MountConfig) -> ssl.SSLContext | None:
+    """Verification of the hub's certificate (system CAs or --ca-file), client cert for mTLS."""
+    if not config.hub_url.tls:
+        return None
+    try:
+        context = ssl.create_default_context(cafile=str(config.ca_file) if config.ca_file else None)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if config.client_cert is not None:
+            context.load_cert_chain(str(config.client_cert), str(config.client_key) if config.client_key else None)
+    except (OSError, ssl.SSLError) as exc:
+        raise UsageError(f"cannot set up TLS: {exc}") from None
+    return context
 
 
 def _serve_metrics(config: MountConfig, stats: Stats, cache: BlockCache, fetcher: Fetcher) -> None:

@@ -35,6 +35,10 @@ class HubStatusError(HubError):
         return self.status >= 500 or self.status == 429
 
 
+class HubTLSError(HubError):
+    """The hub's certificate could not be verified (not retried)."""
+
+
 class RemoteFileChanged(HubError):
     """The hub refused a block because the file changed since our snapshot (412)."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import ssl
 import zlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -19,7 +20,7 @@ import h11
 import trio
 
 from .config import HubURL
-from .errors import HubProtocolError, HubStatusError, HubUnavailable, RemoteFileChanged
+from .errors import HubProtocolError, HubStatusError, HubTLSError, HubUnavailable, RemoteFileChanged
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ _CONTENT_RANGE_RE = re.compile(rb"^bytes (\d+)-(\d+)/(\d+)$")
 class _Connection:
     """One keep-alive TCP connection with its h11 state machine."""
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
         self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=64 * 1024)
         self._body_bypassed = False
@@ -77,7 +78,7 @@ class _Connection:
                 filled += taken
             while filled < len(buffer):
                 with trio.move_on_after(read_timeout_s) as scope:
-                    received = await self.stream.socket.recv_into(view[filled:])
+                    received = await self._receive_into(view[filled:])
                 if scope.cancelled_caught:
                     raise HubUnavailable(f"hub sent nothing for {read_timeout_s:g} s")
                 if received == 0:
@@ -87,6 +88,14 @@ class _Connection:
         if buffered:
             raise HubProtocolError("hub sent more body than its Content-Length")
         return total
+
+    async def _receive_into(self, view: memoryview) -> int:
+        """recv_into on plain TCP (no copy); TLS streams decrypt into a chunk that is copied."""
+        if isinstance(self.stream, trio.SocketStream):
+            return await self.stream.socket.recv_into(view)
+        chunk = await self.stream.receive_some(len(view))
+        view[: len(chunk)] = chunk
+        return len(chunk)
 
     def _drain_h11_body(self) -> list[bytes]:
         """Body bytes h11 received together with the head."""
@@ -134,8 +143,14 @@ class HubClient:
         max_connections: int,
         connect_timeout_s: float,
         read_timeout_s: float,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.url = url
+        if url.tls and ssl_context is None:
+            ssl_context = ssl.create_default_context()
+        self._ssl_context = ssl_context
+        self._auth_header = [(b"Authorization", b"Bearer " + token.encode())] if token else []
         self._connect_timeout_s = connect_timeout_s
         self._read_timeout_s = read_timeout_s
         self._slots = trio.Semaphore(max_connections)
@@ -230,17 +245,32 @@ class HubClient:
             return self._idle.pop()
         try:
             with trio.fail_after(self._connect_timeout_s):
-                stream = await trio.open_tcp_stream(self.url.host, self.url.port)
+                stream: trio.abc.Stream = await trio.open_tcp_stream(self.url.host, self.url.port)
+                if self._ssl_context is not None:
+                    stream = await self._tls(stream)
         except trio.TooSlowError:
             raise HubUnavailable(f"cannot connect to hub {self.url}: timed out") from None
         except OSError as exc:
             raise HubUnavailable(f"cannot connect to hub {self.url}: {exc.strerror or exc}") from None
         return _Connection(stream)
 
+    async def _tls(self, tcp: trio.SocketStream) -> trio.SSLStream[trio.SocketStream]:
+        assert self._ssl_context is not None
+        stream = trio.SSLStream(tcp, self._ssl_context, server_hostname=self.url.host, https_compatible=True)
+        try:
+            await stream.do_handshake()
+        except trio.BrokenResourceError as exc:
+            await tcp.aclose()
+            cause = exc.__cause__
+            if isinstance(cause, ssl.SSLCertVerificationError):
+                raise HubTLSError(f"hub {self.url} failed TLS verification: {cause.verify_message}") from None
+            raise HubUnavailable(f"TLS handshake with hub {self.url} failed: {cause or exc}") from None
+        return stream
+
     async def _start(
         self, target: str, extra_headers: list[tuple[bytes, bytes]]
     ) -> tuple[_Response, _Connection]:
-        headers = [(b"Host", self._host_header), (b"Accept-Encoding", b"gzip"), *extra_headers]
+        headers = [(b"Host", self._host_header), (b"Accept-Encoding", b"gzip"), *self._auth_header, *extra_headers]
         request = h11.Request(method="GET", target=target.encode(), headers=headers)
         while True:
             reused = bool(self._idle)
@@ -321,7 +351,7 @@ class _RequestContext:
 
 def _translate(exc: BaseException, url: HubURL) -> BaseException:
     """Map transport failures to HubUnavailable/HubProtocolError; keep ours and trio's."""
-    if isinstance(exc, (HubUnavailable, HubProtocolError, HubStatusError)):
+    if isinstance(exc, (HubUnavailable, HubProtocolError, HubStatusError, HubTLSError)):
         return exc
     if isinstance(exc, h11.RemoteProtocolError):
         return HubProtocolError(f"hub {url} broke the HTTP protocol: {exc}")

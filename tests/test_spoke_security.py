@@ -1,0 +1,170 @@
+"""The spoke's side of security: tokens, TLS verification, mutual TLS, private cache and mount."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from hub_helpers import hub_env, running_hub
+from mount_helpers import SpokeMount, cachefs_command, mounted_spoke, run_cachefs
+from test_cli_errors import assert_clean_failure
+
+from conftest import SPOKE_ARGS
+
+TOKEN = "s3cret-token-for-tests-0123456789"
+
+
+def write_private(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o600)
+    return path
+
+
+def test_token_is_required_and_never_shown(dataset: Path, tmp_path: Path) -> None:
+    tokens = write_private(tmp_path / "hub-tokens", f"spoke-a:{TOKEN}\n")
+    with running_hub(dataset, ["--token-file", str(tokens)]) as hub:
+        (tmp_path / "bare").mkdir()
+        refused = run_cachefs("mount", hub.url, tmp_path / "bare", "--cache-dir", tmp_path / "c0")
+        assert_clean_failure(refused, "401")
+        token_file = write_private(tmp_path / "token", TOKEN + "\n")
+        with mounted_spoke(hub.url, tmp_path, (*SPOKE_ARGS, "--token-file", str(token_file))) as spoke:
+            relative = "shards/shard-000.bin"
+            assert (spoke.mountpoint / relative).read_bytes() == (dataset / relative).read_bytes()
+            assert TOKEN not in spoke.log_text()
+            assert TOKEN not in " ".join(Path(f"/proc/{spoke.pid}/cmdline").read_text().split("\0"))
+        assert TOKEN not in hub.stderr_text()
+        (tmp_path / "env").mkdir()
+        env_mount = subprocess.run(
+            cachefs_command("mount", hub.url, tmp_path / "env", "--cache-dir", tmp_path / "c2", *SPOKE_ARGS),
+            env={**hub_env(), "CACHEFS_HUB_TOKEN": TOKEN}, capture_output=True, text=True, timeout=60,
+        )
+        assert env_mount.returncode == 0, env_mount.stderr
+        SpokeMount(tmp_path / "env", tmp_path / "c2", None).unmount()
+    loose = tmp_path / "loose-token"
+    loose.write_text(TOKEN)
+    loose.chmod(0o644)
+    (tmp_path / "m3").mkdir()
+    assert_clean_failure(run_cachefs("mount", "http://127.0.0.1:1", tmp_path / "m3", "--cache-dir", tmp_path / "c3",
+                                     "--token-file", loose), "chmod 600")
+
+
+def make_ca(tmp_path: Path, name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey, Path]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    path = tmp_path / f"{name}.pem"
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return cert, key, path
+
+
+def issue(tmp_path: Path, ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey, Path], name: str,
+          san_ip: str | None = None, san_dns: str | None = None) -> tuple[Path, Path]:
+    ca_cert, ca_key, _ = ca
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+    )
+    names: list[x509.GeneralName] = []
+    if san_ip:
+        names.append(x509.IPAddress(ipaddress.ip_address(san_ip)))
+    if san_dns:
+        names.append(x509.DNSName(san_dns))
+    if names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    cert_path, key_path = tmp_path / f"{name}.crt", tmp_path / f"{name}.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    key_path.chmod(0o600)
+    return cert_path, key_path
+
+
+def https(url: str) -> str:
+    return url.replace("http://", "https://")
+
+
+def test_tls_is_verified_and_mutual_tls_works(dataset: Path, tmp_path: Path) -> None:
+    ca = make_ca(tmp_path, "test-ca")
+    server_cert, server_key = issue(tmp_path, ca, "hub", san_ip="127.0.0.1")
+    client_cert, client_key = issue(tmp_path, ca, "spoke")
+    with running_hub(dataset, ["--tls-cert", str(server_cert), "--tls-key", str(server_key),
+                               "--tls-client-ca", str(ca[2])]) as hub:
+        url = https(hub.url)
+        tls_args = ("--ca-file", str(ca[2]), "--tls-cert", str(client_cert), "--tls-key", str(client_key))
+        with mounted_spoke(url, tmp_path, (*SPOKE_ARGS, *tls_args)) as spoke:
+            relative = "shards/shard-001.bin"
+            assert (spoke.mountpoint / relative).read_bytes() == (dataset / relative).read_bytes()
+        (tmp_path / "m").mkdir()
+        untrusted = run_cachefs("mount", url, tmp_path / "m", "--cache-dir", tmp_path / "c1")
+        assert_clean_failure(untrusted, "failed TLS verification")
+        no_client_cert = run_cachefs("mount", url, tmp_path / "m", "--cache-dir", tmp_path / "c2", "--ca-file", ca[2])
+        assert_clean_failure(no_client_cert, "cannot get the manifest")
+
+
+def test_certificate_for_another_name_is_refused(dataset: Path, tmp_path: Path) -> None:
+    ca = make_ca(tmp_path, "test-ca")
+    server_cert, server_key = issue(tmp_path, ca, "other", san_dns="other.example")
+    with running_hub(dataset, ["--tls-cert", str(server_cert), "--tls-key", str(server_key)]) as hub:
+        (tmp_path / "m").mkdir()
+        mismatch = run_cachefs("mount", https(hub.url), tmp_path / "m", "--cache-dir", tmp_path / "c", "--ca-file", ca[2])
+        assert_clean_failure(mismatch, "failed TLS verification")
+
+
+def test_cache_and_control_socket_are_private(spoke: SpokeMount) -> None:
+    (spoke.mountpoint / "shards/shard-002.bin").read_bytes()
+    assert stat.S_IMODE(spoke.cache_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE((spoke.cache_dir / "control.sock").stat().st_mode) == 0o600
+    assert stat.S_IMODE((spoke.cache_dir / "cachefs.log").stat().st_mode) == 0o600
+    blocks = [p for p in (spoke.cache_dir / "blocks").rglob("*") if p.is_file()]
+    assert blocks and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in blocks)
+
+
+def as_nobody(*command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *command],
+                          capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize("allow_other", [False, True])
+def test_other_users_only_with_allow_other(hub, tmp_path: Path, dataset: Path, allow_other: bool) -> None:
+    # The mountpoint must be reachable by others: pytest's own temp dirs are 0700.
+    public = Path(tempfile.mkdtemp(prefix="cachefs-public-", dir="/tmp"))
+    public.chmod(0o755)
+    args = (*SPOKE_ARGS, "--allow-other") if allow_other else SPOKE_ARGS
+    try:
+        with mounted_spoke(hub.url, public, args, cache_dir=tmp_path / "cache") as spoke:
+            check_other_user(spoke, allow_other)
+    finally:
+        shutil.rmtree(public, ignore_errors=True)
+
+
+def check_other_user(spoke: SpokeMount, allow_other: bool) -> None:
+    result = as_nobody("cat", str(spoke.mountpoint / "with space.txt"))
+    if allow_other:
+        assert result.returncode == 0 and result.stdout == "a name with a space\n"
+    else:
+        assert result.returncode != 0 and "Permission denied" in result.stderr
+    control = str(spoke.cache_dir / "control.sock")
+    connect = as_nobody("python3", "-c", f"import socket; socket.socket(socket.AF_UNIX).connect({control!r})")
+    assert connect.returncode != 0  # the cache dir is 0700: other users cannot reach the control socket
