@@ -9,6 +9,7 @@ import select
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mount.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground and log to stderr")
     mount.add_argument("--debug", action="store_true", help="verbose logging")
+    mount.add_argument(
+        "--config", type=Path, metavar="FILE",
+        help="TOML file of mount options (keys as the long options: cache_dir, cache_size, ...); flags override it",
+    )
     mount.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
     unmount = commands.add_parser("unmount", aliases=["umount"], help="unmount and stop the daemon")
@@ -87,10 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(with_config_file(argv))
+    except CachefsError as exc:
+        print(f"cachefs: error: {exc}", file=sys.stderr)
+        return 2
     try:
         if args.command == "mount":
-            return _mount(args, list(sys.argv[1:] if argv is None else argv))
+            return _mount(args, argv)
         if args.command in ("unmount", "umount"):
             return _unmount(args)
         if args.command == "bench":
@@ -104,6 +114,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("cachefs: interrupted", file=sys.stderr)
         return 130
+
+
+def with_config_file(argv: list[str]) -> list[str]:
+    """Insert the options of `mount --config FILE` before the command line's own, which so win."""
+    if not argv or argv[0] != "mount":
+        return argv
+    path = None
+    for index, arg in enumerate(argv):
+        if arg == "--config" and index + 1 < len(argv):
+            path = Path(argv[index + 1])
+        elif arg.startswith("--config="):
+            path = Path(arg.split("=", 1)[1])
+    if path is None:
+        return argv
+    return [argv[0], *config_file_options(path), *argv[1:]]
+
+
+def config_file_options(path: Path) -> list[str]:
+    """A TOML file's keys as long options: cache_size = "500G" -> --cache-size 500G."""
+    try:
+        with open(path, "rb") as source:
+            table = tomllib.load(source)
+    except OSError as exc:
+        raise UsageError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"config file {path} is not valid TOML: {exc}") from None
+    mount_options = {action.dest for action in _mount_parser()._actions if action.option_strings}
+    options: list[str] = []
+    for key, value in table.items():
+        if key not in mount_options or key in ("config", "ready_fd", "help"):
+            raise UsageError(f"config file {path}: unknown option {key!r}")
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            options.append(flag)
+        elif value is not False:
+            options += [flag, str(value)]
+    return options
+
+
+def _mount_parser() -> argparse.ArgumentParser:
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices["mount"]
 
 
 # -- mount ----------------------------------------------------------------------
