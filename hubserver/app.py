@@ -10,16 +10,27 @@ from typing import Final
 
 from aiohttp import web
 
-from hubserver import handlers
+from hubserver import checksums, handlers
+from hubserver.auth import HubAuth, make_auth_middleware
 from hubserver.config import HubConfig
-from hubserver.handlers import MANIFEST_CHUNK_BYTES_KEY, SNAPSHOT_KEY
+from hubserver.handlers import MANIFEST_CHUNK_BYTES_KEY, METRICS_KEY, SNAPSHOT_KEY
 from hubserver.manifest import scan
+from hubserver.metrics import (
+    ENDPOINT_CHECKSUMS,
+    ENDPOINT_FILES,
+    ENDPOINT_HEALTHZ,
+    ENDPOINT_MANIFEST,
+    ENDPOINT_METRICS,
+    HubMetrics,
+)
+from hubserver.server import make_observe_middleware
 
 LOG = logging.getLogger(__name__)
 
 CONFIG_KEY: Final = web.AppKey("config", HubConfig)
+AUTH_KEY: Final = web.AppKey("auth", HubAuth)
 
-__all__ = ["CONFIG_KEY", "SNAPSHOT_KEY", "make_app"]
+__all__ = ["AUTH_KEY", "CONFIG_KEY", "METRICS_KEY", "SNAPSHOT_KEY", "make_app"]
 
 
 async def _snapshot_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -28,7 +39,16 @@ async def _snapshot_ctx(app: web.Application) -> AsyncIterator[None]:
     loop = asyncio.get_running_loop()
     started = time.monotonic()
     snapshot = await loop.run_in_executor(None, scan, config.root)
+    scan_s = time.monotonic() - started
     app[SNAPSHOT_KEY] = snapshot
+    app[METRICS_KEY].set_snapshot(
+        generation=snapshot.generation,
+        files=snapshot.file_count,
+        size_bytes=snapshot.total_bytes,
+        entries=len(snapshot.entries),
+        scan_s=scan_s,
+        finished_at_s=time.time(),
+    )
     LOG.info(
         "scanned %s: %d files, %d bytes, %d entries, generation %s (%.2f s)",
         snapshot.root,
@@ -36,24 +56,44 @@ async def _snapshot_ctx(app: web.Application) -> AsyncIterator[None]:
         snapshot.total_bytes,
         len(snapshot.entries),
         snapshot.generation,
-        time.monotonic() - started,
+        scan_s,
     )
     yield
 
 
-def make_app(config: HubConfig) -> web.Application:
-    """Build the hub application; the root is scanned when it starts."""
+def make_app(config: HubConfig, auth: HubAuth | None = None) -> web.Application:
+    """Build the hub application; the root is scanned when it starts.
+
+    ``auth`` defaults to the token files named in ``config`` (loaded now;
+    raises auth.TokenFileError).
+    """
+    if auth is None:
+        auth = HubAuth.from_config(config)
+    metrics = HubMetrics()
     app = web.Application(
-        middlewares=[handlers.error_middleware],
+        # Outermost first: record every answer, make errors JSON, then check
+        # credentials, so that a 401 is counted and logged like any answer.
+        middlewares=[
+            make_observe_middleware(metrics, access_log=config.access_log),
+            handlers.error_middleware,
+            handlers.http_version_middleware,
+            make_auth_middleware(auth, metrics),
+        ],
         client_max_size=config.client_max_size_bytes,
     )
     app[CONFIG_KEY] = config
+    app[AUTH_KEY] = auth
+    app[METRICS_KEY] = metrics
     app[MANIFEST_CHUNK_BYTES_KEY] = config.manifest_chunk_bytes
     app.cleanup_ctx.append(_snapshot_ctx)
     app.on_response_prepare.append(handlers.restore_snapshot_etag)
+    app.on_response_prepare.append(handlers.set_server_header)
     add_get: Callable[..., web.AbstractRoute] = app.router.add_get
-    add_get("/healthz", handlers.healthz)
+    add_get("/healthz", handlers.healthz, name=ENDPOINT_HEALTHZ)
     # No HEAD for the manifest: it would build and compress it for nothing.
-    add_get("/v1/manifest", handlers.manifest, allow_head=False)
-    add_get("/v1/files/{file_id}", handlers.file_data)
+    add_get("/v1/manifest", handlers.manifest, allow_head=False, name=ENDPOINT_MANIFEST)
+    add_get("/v1/files/{file_id}", handlers.file_data, name=ENDPOINT_FILES)
+    app[checksums.CHECKSUMS_KEY] = checksums.ChecksumCache()
+    add_get("/v1/files/{file_id}/checksums", checksums.file_checksums, allow_head=False, name=ENDPOINT_CHECKSUMS)
+    add_get("/metrics", handlers.metrics, name=ENDPOINT_METRICS)
     return app

@@ -21,7 +21,7 @@ import xxhash
 from aiohttp import web
 
 from hubserver.handlers import SNAPSHOT_KEY, HubHTTPError, json_error
-from hubserver.manifest import FileChangedError, FileRecord, Snapshot, open_unchanged
+from hubserver.manifest import FileChangedError, FileRecord, Snapshot, check_unchanged, open_unchanged
 
 LOG = logging.getLogger(__name__)
 
@@ -50,6 +50,8 @@ class ChecksumCache:
         missing = [key for key in keys if key not in known]
         if missing:
             known.update(self._compute(snapshot, record, block_bytes, missing))
+        elif not check_unchanged(snapshot, record):  # remembered sums are only good for the scanned file
+            raise FileChangedError(f"{record.path!r} changed since the scan")
         with self._lock:
             for key in keys:
                 self._sums[key] = known[key]

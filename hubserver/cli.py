@@ -9,12 +9,24 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-from hubserver.config import DEFAULT_LISTEN, LOG_LEVELS, HubConfig
+from hubserver.config import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_LISTEN,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_SEND_TIMEOUT_S,
+    LOG_LEVELS,
+    HubConfig,
+)
+
+if TYPE_CHECKING:
+    from hubserver.auth import HubAuth
 
 LOG = logging.getLogger(__name__)
 
@@ -52,6 +64,22 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
+def _positive_int(value: str) -> int:
+    if not value.isascii() or not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive whole number")
+    return int(value)
+
+
+def _positive_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 1e6:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive number of seconds")
+    return seconds
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``cachefs-hub``."""
     parser = _Parser(
@@ -64,9 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="scan a directory and serve it",
         description=(
             "Scan DIR once into a snapshot and serve it (protocol version 1: "
-            "/healthz, /v1/manifest, /v1/files/ID). Once listening, prints "
-            f"'{PROG} listening on http://HOST:PORT' on stdout; logs go to "
-            "stderr. Stops cleanly on SIGTERM or SIGINT."
+            "/healthz, /v1/manifest, /v1/files/ID, /metrics). Once listening, prints "
+            f"'{PROG} listening on http://HOST:PORT' (https with TLS) on stdout; logs go to "
+            "stderr. Stops cleanly on SIGTERM or SIGINT; SIGHUP reloads the token files."
         ),
     )
     serve.add_argument("--root", required=True, type=Path, metavar="DIR", help="dataset directory")
@@ -84,7 +112,68 @@ def build_parser() -> argparse.ArgumentParser:
         choices=LOG_LEVELS,
         help="stderr log level (default: info)",
     )
+    security = serve.add_argument_group("authentication and TLS")
+    security.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="FILE",
+        help="require 'Authorization: Bearer TOKEN' on every endpoint but /healthz and /metrics; "
+        "FILE has NAME:TOKEN lines (# comments), must not be accessible by group or others, "
+        "and is reloaded on SIGHUP (default: no authentication)",
+    )
+    security.add_argument(
+        "--metrics-token-file",
+        type=Path,
+        metavar="FILE",
+        help="protect /metrics with the tokens of FILE, same format (default: /metrics is open)",
+    )
+    security.add_argument("--tls-cert", type=Path, metavar="FILE", help="serve HTTPS with this PEM certificate chain")
+    security.add_argument("--tls-key", type=Path, metavar="FILE", help="PEM private key of --tls-cert (unencrypted)")
+    security.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        metavar="FILE",
+        help="mutual TLS: every client must present a certificate signed by a CA in this PEM file",
+    )
+    limits = serve.add_argument_group("limits")
+    limits.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help=f"connections beyond N get a 503 and are closed (default: {DEFAULT_MAX_CONNECTIONS})",
+    )
+    limits.add_argument(
+        "--header-timeout",
+        type=_positive_seconds,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="close a connection whose request head is not complete this long after it opened, "
+        f"or after its first byte (default: {DEFAULT_HEADER_TIMEOUT_S:g})",
+    )
+    limits.add_argument(
+        "--send-timeout",
+        type=_positive_seconds,
+        default=DEFAULT_SEND_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"cut a response the client has accepted no data of for this long (default: {DEFAULT_SEND_TIMEOUT_S:g})",
+    )
+    limits.add_argument(
+        "--idle-timeout",
+        type=_positive_seconds,
+        default=DEFAULT_IDLE_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"close a keep-alive connection idle this long between requests (default: {DEFAULT_IDLE_TIMEOUT_S:g})",
+    )
     return parser
+
+
+def _check_security_options(args: argparse.Namespace) -> None:
+    """Options that only make sense together; raises UserError."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UserError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca is not None and args.tls_cert is None:
+        raise UserError("--tls-client-ca needs --tls-cert and --tls-key")
 
 
 def check_root(root: Path) -> Path:
@@ -161,35 +250,52 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(config: HubConfig, sock: socket.socket) -> int:
+async def serve(config: HubConfig, auth: HubAuth, ssl_context: ssl.SSLContext | None, sock: socket.socket) -> int:
     """Scan, listen on ``sock``, announce the address, serve until
-    SIGTERM/SIGINT."""
+    SIGTERM/SIGINT; reload the token files on SIGHUP."""
     # Imported here: aiohttp takes half a second to import, which --help and
     # the one-line usage errors have no need to wait for.
     from aiohttp import web
 
-    from hubserver.app import make_app
+    from hubserver.app import METRICS_KEY, make_app
+    from hubserver.server import handler_options, start_server
 
-    runner = web.AppRunner(
-        make_app(config),
-        access_log=logging.getLogger("aiohttp.access") if config.access_log else None,
-        keepalive_timeout=config.keepalive_timeout_s,
-        shutdown_timeout=config.shutdown_timeout_s,
-    )
+    app = make_app(config, auth)
+    metrics = app[METRICS_KEY]
+    runner = web.AppRunner(app, shutdown_timeout=config.shutdown_timeout_s, **handler_options(config))
     try:
         await runner.setup()
     except OSError as exc:
         raise UserError(f"cannot scan root {config.root}: {exc.strerror or exc}") from None
+    loop = asyncio.get_running_loop()
+    server: asyncio.Server | None = None
+    loop.add_signal_handler(signal.SIGHUP, auth.reload, metrics)
     try:
-        await web.SockSite(runner, sock).start()
+        server = await start_server(runner, config, metrics, sock, ssl_context)
         host, port = sock.getsockname()[:2]
-        print(f"{PROG} listening on http://{_format_host(host)}:{port}", flush=True)
+        scheme = "https" if ssl_context is not None else "http"
+        print(f"{PROG} listening on {scheme}://{_format_host(host)}:{port}", flush=True)
         signum = await _wait_for_stop_signal()
         LOG.info("received %s, shutting down", signum.name)
     finally:
+        loop.remove_signal_handler(signal.SIGHUP)
+        if server is not None:
+            server.close()
         await runner.cleanup()
     LOG.info("stopped")
     return EXIT_OK
+
+
+def _load_credentials(config: HubConfig) -> tuple[HubAuth, ssl.SSLContext | None]:
+    """Read the token files and TLS files now, so that a mistake is one line
+    at start and not a surprise at the first request. Raises UserError."""
+    from hubserver.auth import HubAuth, TokenFileError
+    from hubserver.server import TLSConfigError, make_ssl_context
+
+    try:
+        return HubAuth.from_config(config), make_ssl_context(config)
+    except (TokenFileError, TLSConfigError) as exc:
+        raise UserError(str(exc)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -197,11 +303,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         root = check_root(args.root)
+        _check_security_options(args)
         host, port = args.listen
-        config = HubConfig(root=root, host=host, port=port, log_level=args.log_level)
+        config = HubConfig(
+            root=root,
+            host=host,
+            port=port,
+            log_level=args.log_level,
+            token_file=args.token_file,
+            metrics_token_file=args.metrics_token_file,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
+            max_connections=args.max_connections,
+            header_timeout_s=args.header_timeout,
+            send_timeout_s=args.send_timeout,
+            keepalive_timeout_s=args.idle_timeout,
+        )
+        auth, ssl_context = _load_credentials(config)
         with bind_socket(config.host, config.port) as sock:
             _configure_logging(config.log_level)
-            return asyncio.run(serve(config, sock))
+            return asyncio.run(serve(config, auth, ssl_context, sock))
     except UserError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILURE

@@ -1,4 +1,4 @@
-"""HTTP handlers of the hub: health, manifest, ranged file data, errors."""
+"""HTTP handlers of the hub: health, manifest, ranged file data, metrics, errors."""
 
 from __future__ import annotations
 
@@ -23,11 +23,17 @@ from hubserver.manifest import (
     iter_manifest_lines,
     open_unchanged,
 )
+from hubserver.metrics import ENDPOINT_OTHER, ENDPOINTS, HubMetrics
 
 LOG = logging.getLogger(__name__)
 
 SNAPSHOT_KEY: Final = web.AppKey("snapshot", Snapshot)
 MANIFEST_CHUNK_BYTES_KEY: Final = web.AppKey("manifest_chunk_bytes", int)
+METRICS_KEY: Final = web.AppKey("metrics", HubMetrics)
+BODY_BYTES_KEY: Final = web.RequestKey("body_bytes", int)
+"""Body bytes of a streamed response (no Content-Length), once all sent."""
+
+SERVER_HEADER = "cachefs-hub"
 
 NDJSON_CONTENT_TYPE = "application/x-ndjson"
 # A versioned URL never changes content, so any cache may keep it forever.
@@ -36,7 +42,12 @@ IMMUTABLE_CACHE_CONTROL = "public, max-age=31536000, immutable"
 _HEX16_RE: Final = re.compile(r"[0-9a-f]{16}")
 # The same grammar aiohttp's FileResponse accepts, so that what passes here is
 # interpreted there exactly as checked here.
-_RANGE_RE: Final = re.compile(r"^bytes=(\d*)-(\d*)$", re.ASCII | re.IGNORECASE)
+_RANGE_RE: Final = re.compile(r"bytes=(\d*)-(\d*)", re.ASCII | re.IGNORECASE)
+# Byte positions fit in 63 bits; longer numbers are refused before int().
+_MAX_POSITION_DIGITS: Final = 19
+# Query parameters each endpoint accepts; anything else is a 400.
+_FILES_QUERY: Final = frozenset({"v"})
+_NO_QUERY: Final = frozenset[str]()
 # Batch lines before compressing: one compress() call per line is slow.
 _RAW_BATCH_BYTES = 256 * 1024
 # Directory whose entries reopen an open descriptor by path (Linux).
@@ -59,17 +70,57 @@ class RangeNotSatisfiable(Exception):
     """The Range header is not one satisfiable byte range of the file."""
 
 
+class HubHTTPError(Exception):
+    """A protocol error, answered with ``json_error`` by ``error_middleware``."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers
+
+
+def printable(text: str, limit_chars: int = 200) -> str:
+    """``text`` made safe for one log line: control and non-printable
+    characters escaped, cut to ``limit_chars``."""
+    if len(text) > limit_chars:
+        text = text[:limit_chars] + "..."
+    if text.isprintable():
+        return text
+    return repr(text)[1:-1]
+
+
 def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
     """The protocol's error answer: ``{"error": "<one line>"}``."""
     one_line = " ".join(message.split())
     return web.json_response({"error": one_line}, status=status, headers=headers)
 
 
+def endpoint_of(request: web.Request) -> str:
+    """The route name of a request (a metrics label), "other" if none."""
+    name = request.match_info.route.name
+    return name if name in ENDPOINTS else ENDPOINT_OTHER
+
+
+def check_query(request: web.Request, allowed: frozenset[str]) -> None:
+    """Refuse (400) a query parameter the endpoint does not take, or one
+    given twice."""
+    query = request.query
+    for key in query:
+        if key not in allowed:
+            raise HubHTTPError(400, f"unexpected query parameter {printable(key, 40)!r}")
+        if len(query.getall(key)) > 1:
+            raise HubHTTPError(400, f"query parameter {printable(key, 40)!r} given more than once")
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Answer every error as JSON; never send a traceback."""
+    """Answer every error as JSON; never send a traceback. A client that
+    went away is not an error here: ConnectionError passes through."""
     try:
         return await handler(request)
+    except HubHTTPError as exc:
+        return json_error(exc.status, exc.message, exc.headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -77,13 +128,29 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if hdrs.ALLOW in exc.headers:
             headers[hdrs.ALLOW] = exc.headers[hdrs.ALLOW]
         return json_error(exc.status, exc.reason, headers)
+    except ConnectionError:
+        raise
     except Exception:
-        LOG.exception("unexpected error answering %s %s", request.method, request.path)
+        LOG.exception("unexpected error answering %s %s", request.method, printable(request.raw_path))
         return json_error(500, "internal server error")
+
+
+@web.middleware
+async def http_version_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuse (505) any HTTP major version but 1: the hub speaks HTTP/1.x."""
+    if request.version.major != 1:
+        return json_error(505, "HTTP version not supported: the hub speaks HTTP/1.1")
+    return await handler(request)
+
+
+async def set_server_header(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare`` hook: name the server, not its versions."""
+    response.headers[hdrs.SERVER] = SERVER_HEADER
 
 
 async def healthz(request: web.Request) -> web.Response:
     """``GET /healthz``: liveness plus what the snapshot holds."""
+    check_query(request, _NO_QUERY)
     snapshot = request.app[SNAPSHOT_KEY]
     return web.json_response(
         {
@@ -127,8 +194,10 @@ async def manifest(request: web.Request) -> web.StreamResponse:
     The body is built and compressed piece by piece in a worker thread, so a
     large manifest neither sits in memory whole nor stalls the event loop.
     aiohttp's own compression is never enabled on this response, so the
-    body is compressed exactly once.
+    body is compressed exactly once. A client that goes away mid-way ends
+    the handler with ConnectionError.
     """
+    check_query(request, _NO_QUERY)
     snapshot = request.app[SNAPSHOT_KEY]
     chunk_bytes = request.app[MANIFEST_CHUNK_BYTES_KEY]
     response = web.StreamResponse(
@@ -150,10 +219,19 @@ async def manifest(request: web.Request) -> web.StreamResponse:
         await response.write_eof()
     except ConnectionError as exc:
         LOG.info("manifest: client %s went away after %d bytes: %s", request.remote, sent_bytes, exc)
+        raise
     finally:
         chunks.close()
+    request[BODY_BYTES_KEY] = sent_bytes
     LOG.debug("manifest: sent %d gzip bytes, %d entries", sent_bytes, len(snapshot.entries))
     return response
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: this hub's metrics, Prometheus text format."""
+    check_query(request, _NO_QUERY)
+    body, content_type = request.app[METRICS_KEY].exposition(request.headers.get(hdrs.ACCEPT))
+    return web.Response(body=body, headers={hdrs.CONTENT_TYPE: content_type, hdrs.CACHE_CONTROL: "no-store"})
 
 
 def parse_range(header: str | None, size_bytes: int) -> tuple[int, int] | None:
@@ -165,10 +243,12 @@ def parse_range(header: str | None, size_bytes: int) -> tuple[int, int] | None:
     """
     if header is None:
         return None
-    match = _RANGE_RE.match(header)
+    match = _RANGE_RE.fullmatch(header)
     if match is None:
-        raise RangeNotSatisfiable(f"not a single byte range: {header!r}")
+        raise RangeNotSatisfiable(f"not a single byte range: {printable(header, 80)!r}")
     first_text, last_text = match.groups()
+    if len(first_text) > _MAX_POSITION_DIGITS or len(last_text) > _MAX_POSITION_DIGITS:
+        raise RangeNotSatisfiable("byte position out of range")
     if not first_text:
         if not last_text:
             raise RangeNotSatisfiable("empty byte range")
@@ -179,7 +259,7 @@ def parse_range(header: str | None, size_bytes: int) -> tuple[int, int] | None:
     first = int(first_text)
     last = int(last_text) if last_text else size_bytes - 1
     if last < first:
-        raise RangeNotSatisfiable(f"reversed byte range: {header!r}")
+        raise RangeNotSatisfiable(f"reversed byte range: {header}")
     if first >= size_bytes:
         raise RangeNotSatisfiable(f"range starts at {first}, file has {size_bytes} bytes")
     return first, min(last, size_bytes - 1)
@@ -214,7 +294,11 @@ class SnapshotFileResponse(web.FileResponse):
         self._close_fd = weakref.finalize(self, os.close, fd)
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
-        """Send the file, honouring Range only, then close the descriptor."""
+        """Send the file, honouring Range only, then close the descriptor.
+        Once sent, further calls do nothing (aiohttp prepares a response a
+        middleware already sent)."""
+        if self.prepared:
+            return None
         headers = CIMultiDict(request.headers)
         for name in _IGNORED_REQUEST_HEADERS:
             headers.popall(name, None)
@@ -230,37 +314,39 @@ async def restore_snapshot_etag(request: web.Request, response: web.StreamRespon
         response.headers[hdrs.ETAG] = response.snapshot_etag
 
 
-class _HTTPJSONError(Exception):
-    """A protocol error to answer with ``json_error``."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
 def _lookup(request: web.Request) -> FileRecord:
     """The record a files request names; raises the protocol's 400/404/412."""
+    check_query(request, _FILES_QUERY)
     file_id = request.match_info["file_id"]
     if not _HEX16_RE.fullmatch(file_id):
-        raise _HTTPJSONError(400, "malformed file id: expected 16 lowercase hex digits")
+        raise HubHTTPError(400, "malformed file id: expected 16 lowercase hex digits")
     wanted_version = request.query.get("v")
     if wanted_version is not None and not _HEX16_RE.fullmatch(wanted_version):
-        raise _HTTPJSONError(400, "malformed version: expected 16 lowercase hex digits")
+        raise HubHTTPError(400, "malformed version: expected 16 lowercase hex digits")
     record = request.app[SNAPSHOT_KEY].files_by_id.get(file_id)
     if record is None:
-        raise _HTTPJSONError(404, f"no file with id {file_id} in this snapshot")
+        raise HubHTTPError(404, f"no file with id {file_id} in this snapshot")
     if wanted_version is not None and wanted_version != record.version:
-        raise _HTTPJSONError(412, f"file {file_id}: version {wanted_version} is not the snapshot's {record.version}")
+        raise HubHTTPError(412, f"file {file_id}: version {wanted_version} is not the snapshot's {record.version}")
     return record
+
+
+def _range_header(request: web.Request, record: FileRecord) -> str | None:
+    """The one Range header of a files request; raises 416 for several."""
+    values = request.headers.getall(hdrs.RANGE, [])
+    if len(values) > 1:
+        raise HubHTTPError(
+            416,
+            f"file {record.file_id}: more than one Range header",
+            {hdrs.CONTENT_RANGE: f"bytes */{record.size_bytes}"},
+        )
+    return values[0] if values else None
 
 
 async def file_data(request: web.Request) -> web.StreamResponse:
     """``GET /v1/files/{id}?v={version}``: bytes of one snapshot file."""
-    try:
-        record = _lookup(request)
-    except _HTTPJSONError as exc:
-        return json_error(exc.status, exc.message)
+    record = _lookup(request)
+    range_header = _range_header(request, record)
     snapshot = request.app[SNAPSHOT_KEY]
     loop = asyncio.get_running_loop()
     try:
@@ -269,7 +355,7 @@ async def file_data(request: web.Request) -> web.StreamResponse:
         LOG.warning("file %s: %s; answering 412", record.file_id, exc)
         return json_error(412, f"file {record.file_id} changed on disk since the snapshot")
     try:
-        parse_range(request.headers.get(hdrs.RANGE), record.size_bytes)
+        parse_range(range_header, record.size_bytes)
         return SnapshotFileResponse(fd, record, snapshot.abs_path(record))
     except RangeNotSatisfiable as exc:
         os.close(fd)

@@ -7,7 +7,8 @@ test module in this directory.
         urllib.request.urlopen(hub.url + "/healthz")
 
 The hub listens on 127.0.0.1 with a kernel-chosen port; ``hub.url`` is read
-from the one line it prints on stdout once listening. Its stderr (the log)
+from the one line it prints on stdout once listening (``https://`` with
+TLS). Its stderr (the log)
 is drained continuously, so a chatty hub never blocks on a full pipe, and is
 available as ``hub.stderr_text()``. The hub is always stopped on leaving the
 ``with`` block, whether the test passed or not.
@@ -15,18 +16,22 @@ available as ``hub.stderr_text()``. The hub is always stopped on leaving the
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import queue
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LISTENING_PREFIX = "cachefs-hub listening on "
@@ -96,7 +101,7 @@ class HubProcess:
     """A running hub subprocess."""
 
     proc: subprocess.Popen[str]
-    url: str  # e.g. "http://127.0.0.1:40123", no trailing slash
+    url: str  # e.g. "http://127.0.0.1:40123" ("https://" with TLS), no trailing slash
     host: str
     port: int
     _stdout: _LineCollector = field(repr=False)
@@ -131,7 +136,7 @@ class HubProcess:
 
 def _parse_listening_line(line: str) -> tuple[str, str, int]:
     url = line[len(LISTENING_PREFIX) :].strip()
-    hostport = url.removeprefix("http://")
+    hostport = url.partition("://")[2]
     host, _, port = hostport.rpartition(":")
     return url, host.strip("[]"), int(port)
 
@@ -216,3 +221,107 @@ def run_hub_cli(
         timeout=timeout_s,
         check=False,
     )
+
+
+# --------------------------------------------------------------- client side
+
+
+@dataclass
+class Reply:
+    """A complete HTTP response; header names lower-cased."""
+
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def http_get(
+    hub: HubProcess,
+    path: str,
+    headers: Mapping[str, str] | None = None,
+    *,
+    ssl_context: ssl.SSLContext | None = None,
+    method: str = "GET",
+    timeout_s: float = 10.0,
+) -> Reply:
+    """One request on a fresh connection, the path sent exactly as given.
+    HTTPS when ``ssl_context`` is given."""
+    conn: http.client.HTTPConnection
+    if ssl_context is not None:
+        conn = http.client.HTTPSConnection(hub.host, hub.port, timeout=timeout_s, context=ssl_context)
+    else:
+        conn = http.client.HTTPConnection(hub.host, hub.port, timeout=timeout_s)
+    try:
+        conn.request(method, path, headers=dict(headers or {}))
+        response = conn.getresponse()
+        body = response.read()
+        return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, body)
+    finally:
+        conn.close()
+
+
+def raw_exchange(host: str, port: int, data: bytes, timeout_s: float = 5.0) -> tuple[bytes, bool]:
+    """Send ``data`` on a fresh connection and read until the server closes
+    it. Returns what was read and whether the server closed within
+    ``timeout_s`` (False: still open at the deadline)."""
+    deadline = time.monotonic() + timeout_s
+    received = bytearray()
+    with socket.create_connection((host, port), timeout=timeout_s) as sock:
+        try:
+            sock.sendall(data)
+        except OSError:
+            pass  # the server may close on a partial request; read what it said
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return bytes(received), False
+            sock.settimeout(remaining)
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                return bytes(received), False
+            except OSError:
+                return bytes(received), True  # reset: closed
+            if not chunk:
+                return bytes(received), True
+            received += chunk
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
+    """Poll ``predicate`` until it holds (True) or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape_metrics(
+    hub: HubProcess,
+    headers: Mapping[str, str] | None = None,
+    *,
+    ssl_context: ssl.SSLContext | None = None,
+) -> Samples:
+    """GET /metrics and parse it: (sample name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    reply = http_get(hub, "/metrics", headers, ssl_context=ssl_context)
+    assert reply.status == 200, reply.body[:200]
+    samples: Samples = {}
+    for family in text_string_to_metric_families(reply.body.decode()):
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return samples
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float:
+    """The value of one sample, 0 if absent."""
+    return samples.get((name, frozenset(labels.items())), 0.0)

@@ -1,0 +1,196 @@
+"""Every Prometheus metric of the hub, ``cachefs_hub_`` prefix.
+
+Each application gets its own ``CollectorRegistry`` (never the global one),
+so several hubs in one process (tests) keep separate counts. Labels are low
+cardinality: ``endpoint`` is a route name from ``ENDPOINTS``, never a path
+or a file id.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.exposition import choose_encoder
+
+PREFIX: Final = "cachefs_hub"
+
+# Route names used as the `endpoint` label. "other" is any path no route
+# matches; "malformed" a request the HTTP parser refused (bad request line,
+# oversized header, ...), answered before routing.
+ENDPOINT_HEALTHZ: Final = "healthz"
+ENDPOINT_MANIFEST: Final = "manifest"
+ENDPOINT_FILES: Final = "files"
+ENDPOINT_CHECKSUMS: Final = "checksums"
+ENDPOINT_METRICS: Final = "metrics"
+ENDPOINT_OTHER: Final = "other"
+ENDPOINT_MALFORMED: Final = "malformed"
+ENDPOINTS: Final = (
+    ENDPOINT_HEALTHZ,
+    ENDPOINT_MANIFEST,
+    ENDPOINT_FILES,
+    ENDPOINT_CHECKSUMS,
+    ENDPOINT_METRICS,
+    ENDPOINT_OTHER,
+    ENDPOINT_MALFORMED,
+)
+
+# The status label of a request whose client went away before the response
+# was complete (nginx's convention).
+STATUS_CLIENT_CLOSED: Final = "499"
+
+# Reasons of cachefs_hub_auth_failures_total.
+AUTH_MISSING: Final = "missing"  # no Authorization header
+AUTH_MALFORMED: Final = "malformed"  # not exactly one `Bearer <token>`
+AUTH_INVALID: Final = "invalid"  # a token no token file lists
+
+# From a cached block on loopback (sub-millisecond) to a large manifest
+# over a slow WAN (minutes).
+_DURATION_BUCKETS_S: Final = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+
+
+class HubMetrics:
+    """The hub's metrics, registered in a registry of their own."""
+
+    def __init__(self) -> None:
+        registry = CollectorRegistry()
+        self.registry = registry
+        # CPU, memory and file descriptors of the hub process, under the same
+        # prefix: cachefs_hub_process_open_fds is the one to watch against
+        # --max-connections.
+        ProcessCollector(namespace=PREFIX, registry=registry)
+
+        self.requests = Counter(
+            f"{PREFIX}_requests",
+            "HTTP requests answered, by endpoint and status code (499: client closed first)",
+            ["endpoint", "status"],
+            registry=registry,
+        )
+        self.sent_bytes = Counter(
+            f"{PREFIX}_sent_bytes",
+            "Response body bytes sent in full (Content-Length of complete responses; "
+            "for the streamed manifest, its gzip bytes)",
+            ["endpoint"],
+            registry=registry,
+        )
+        self.request_duration = Histogram(
+            f"{PREFIX}_request_duration_seconds",
+            "Time from the request head to the last byte of the response",
+            ["endpoint"],
+            buckets=_DURATION_BUCKETS_S,
+            registry=registry,
+        )
+        self.open_connections = Gauge(
+            f"{PREFIX}_open_connections",
+            "Client connections open now (admitted ones; TLS handshake done)",
+            registry=registry,
+        )
+        self.refused_connections = Counter(
+            f"{PREFIX}_refused_connections",
+            "Connections answered 503 and closed because --max-connections were open",
+            registry=registry,
+        )
+        self.header_timeouts = Counter(
+            f"{PREFIX}_header_timeouts",
+            "Connections closed because a request head was not complete within --header-timeout",
+            registry=registry,
+        )
+        self.auth_failures = Counter(
+            f"{PREFIX}_auth_failures",
+            "Requests answered 401, by endpoint and reason (missing, malformed, invalid)",
+            ["endpoint", "reason"],
+            registry=registry,
+        )
+        self.token_reloads = Counter(
+            f"{PREFIX}_token_reloads",
+            "Token file reloads (SIGHUP), by result (ok, error: the previous tokens stay in force)",
+            ["result"],
+            registry=registry,
+        )
+        self.snapshot_info = Gauge(
+            f"{PREFIX}_snapshot_info",
+            "Always 1; the label carries the generation of the snapshot being served",
+            ["generation"],
+            registry=registry,
+        )
+        self.snapshot_files = Gauge(
+            f"{PREFIX}_snapshot_files",
+            "Regular files in the snapshot",
+            registry=registry,
+        )
+        self.snapshot_size_bytes = Gauge(
+            f"{PREFIX}_snapshot_size_bytes",
+            "Total size of the regular files in the snapshot",
+            registry=registry,
+        )
+        self.snapshot_entries = Gauge(
+            f"{PREFIX}_snapshot_entries",
+            "Manifest entries (directories, files, symlinks) in the snapshot",
+            registry=registry,
+        )
+        self.snapshot_scan_seconds = Gauge(
+            f"{PREFIX}_snapshot_scan_seconds",
+            "How long the scan of the root took",
+            registry=registry,
+        )
+        self.snapshot_timestamp_seconds = Gauge(
+            f"{PREFIX}_snapshot_timestamp_seconds",
+            "Unix time at which the scan of the root finished",
+            registry=registry,
+        )
+        # Every series that can appear is created at zero now, so a rate()
+        # over a fresh hub has a starting point.
+        for endpoint in ENDPOINTS:
+            self.sent_bytes.labels(endpoint)
+        for result in ("ok", "error"):
+            self.token_reloads.labels(result)
+
+    def set_snapshot(
+        self,
+        *,
+        generation: str,
+        files: int,
+        size_bytes: int,
+        entries: int,
+        scan_s: float,
+        finished_at_s: float,
+    ) -> None:
+        """Describe the snapshot now being served."""
+        self.snapshot_info.clear()
+        self.snapshot_info.labels(generation).set(1)
+        self.snapshot_files.set(files)
+        self.snapshot_size_bytes.set(size_bytes)
+        self.snapshot_entries.set(entries)
+        self.snapshot_scan_seconds.set(scan_s)
+        self.snapshot_timestamp_seconds.set(finished_at_s)
+
+    def observe_request(self, endpoint: str, status: str, duration_s: float, body_bytes: int) -> None:
+        """Count one answered request."""
+        self.requests.labels(endpoint, status).inc()
+        self.request_duration.labels(endpoint).observe(duration_s)
+        if body_bytes:
+            self.sent_bytes.labels(endpoint).inc(body_bytes)
+
+    def exposition(self, accept_header: str | None) -> tuple[bytes, str]:
+        """The registry in the text format the scraper asked for (Prometheus
+        text by default, OpenMetrics if its Accept header prefers it)."""
+        encoder, content_type = choose_encoder(accept_header or "")
+        return encoder(self.registry), content_type

@@ -1,0 +1,413 @@
+"""The HTTP layer around the application: TLS, connection limits, the
+request head timeout, the access log and per-request metrics.
+
+aiohttp parses requests and bounds idle keep-alive connections itself; what
+it lacks is added here, in a subclass of its connection handler
+(``HubRequestHandler``) that the CLI's listening socket creates for every
+connection:
+
+- a cap on open connections: beyond it a connection gets a canned 503 and is
+  closed;
+- a request head timeout: a connection must deliver a complete request head
+  within ``header_timeout_s`` of opening and of the first byte of each later
+  request, or it is closed (slowloris). aiohttp's own keep-alive timer only
+  bounds the idle time between requests;
+- a send timeout: a client that accepts no data of a response for
+  ``send_timeout_s`` is cut off by the kernel (TCP_USER_TIMEOUT), which
+  covers sendfile too (slow read);
+- JSON answers, without tracebacks, to requests the HTTP parser refuses.
+
+``make_observe_middleware`` is the outermost middleware: it sends the
+response itself, so that the duration and byte count it records (metrics,
+access log) cover the whole body, and tells the connection when a request
+is in progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+from aiohttp import hdrs, web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
+
+from hubserver.auth import IDENTITY_KEY, client_cert_name
+from hubserver.config import HubConfig
+from hubserver.handlers import (
+    BODY_BYTES_KEY,
+    SERVER_HEADER,
+    endpoint_of,
+    json_error,
+    printable,
+)
+from hubserver.metrics import ENDPOINT_MALFORMED, STATUS_CLIENT_CLOSED, HubMetrics
+
+LOG = logging.getLogger(__name__)
+ACCESS_LOG: Final = logging.getLogger("hubserver.access")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# A refused connection gets its 503 when its first bytes arrive (so the
+# request is read and the close is clean), or after this long without any.
+_REFUSAL_GRACE_S: Final = 1.0
+# At most one "refusing connections" warning per this many seconds.
+_REFUSAL_LOG_INTERVAL_S: Final = 10.0
+_REFUSAL_BODY: Final = b'{"error": "too many connections: retry later"}'
+_REFUSAL_RESPONSE: Final = (
+    b"HTTP/1.1 503 Service Unavailable\r\n"
+    b"Content-Type: application/json; charset=utf-8\r\n"
+    b"Content-Length: " + str(len(_REFUSAL_BODY)).encode() + b"\r\n"
+    b"Retry-After: 1\r\n"
+    b"Server: " + SERVER_HEADER.encode() + b"\r\n"
+    b"Connection: close\r\n\r\n" + _REFUSAL_BODY
+)
+
+
+class TLSConfigError(Exception):
+    """A TLS option cannot be used; one line for the user."""
+
+
+def _ssl_reason(exc: BaseException) -> str:
+    if isinstance(exc, ssl.SSLError):
+        return exc.reason or str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc)
+
+
+def _no_password() -> bytes:
+    raise TLSConfigError("the key is encrypted; give an unencrypted key (readable by the hub only)")
+
+
+def make_ssl_context(config: HubConfig) -> ssl.SSLContext | None:
+    """The server's TLS context (TLS 1.2 or newer, HTTP/1.1 only), None
+    without --tls-cert. With --tls-client-ca every client must present a
+    certificate that CA signed. Raises TLSConfigError."""
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_alpn_protocols(["http/1.1"])
+    try:
+        context.load_cert_chain(config.tls_cert, config.tls_key, password=_no_password)
+    except TLSConfigError as exc:
+        raise TLSConfigError(f"--tls-key {config.tls_key}: {exc}") from None
+    except (OSError, ValueError) as exc:
+        raise TLSConfigError(
+            f"cannot load --tls-cert {config.tls_cert} with --tls-key {config.tls_key}: {_ssl_reason(exc)}"
+        ) from None
+    if config.tls_client_ca is not None:
+        try:
+            context.load_verify_locations(cafile=config.tls_client_ca)
+        except (OSError, ValueError) as exc:
+            raise TLSConfigError(f"cannot load --tls-client-ca {config.tls_client_ca}: {_ssl_reason(exc)}") from None
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def handler_options(config: HubConfig) -> dict[str, Any]:
+    """Keyword arguments of aiohttp's connection handler for ``config``."""
+    return {
+        "keepalive_timeout": config.keepalive_timeout_s,
+        "max_line_size": config.max_request_line_bytes,
+        "max_field_size": config.max_header_bytes,
+        "max_headers": config.max_headers,
+        "lingering_time": config.lingering_time_s,
+        # The access log is written by the observe middleware and, for
+        # requests the parser refuses, by HubRequestHandler.handle_error.
+        "access_log": None,
+    }
+
+
+# --------------------------------------------------------------- access log
+
+
+def log_access(request: web.BaseRequest, identity: str, status: str, body_bytes: int, duration_s: float) -> None:
+    """One access-log line: client address, identity (a token's NAME, a
+    client certificate's cn=..., or -), request line, status, body bytes,
+    seconds. Never a token: tokens only travel in the Authorization header."""
+    if not ACCESS_LOG.isEnabledFor(logging.INFO):
+        return
+    version = request.version
+    ACCESS_LOG.info(
+        '%s %s "%s %s HTTP/%d.%d" %s %d %.6f',
+        request.remote or "-",
+        identity,
+        printable(request.method, 20),
+        printable(request.raw_path, 300),
+        version.major,
+        version.minor,
+        status,
+        body_bytes,
+        duration_s,
+    )
+
+
+def _identity(request: web.BaseRequest) -> str:
+    return request.get(IDENTITY_KEY) or client_cert_name(request) or "-"
+
+
+def _body_bytes(request: web.Request, response: web.StreamResponse) -> int:
+    if request.method == hdrs.METH_HEAD:
+        return 0
+    if response.content_length is not None:
+        return response.content_length
+    return request.get(BODY_BYTES_KEY, 0)
+
+
+def make_observe_middleware(
+    metrics: HubMetrics, access_log: bool = True
+) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """The outermost middleware: sends the response, then records it (and
+    writes its access-log line if ``access_log``)."""
+
+    @web.middleware
+    async def observe_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        started = time.monotonic()
+        connection = request.protocol if isinstance(request.protocol, HubRequestHandler) else None
+        if connection is not None:
+            connection.request_started()
+        status = STATUS_CLIENT_CLOSED
+        body_bytes = 0
+        try:
+            response = await handler(request)
+            await response.prepare(request)
+            await response.write_eof()
+            status = str(response.status)
+            body_bytes = _body_bytes(request, response)
+            return response
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except TimeoutError as exc:
+            # ETIMEDOUT from the socket: the kernel gave up on a client that
+            # accepted no data for --send-timeout. It went away, in effect.
+            LOG.info("cut the response to %s: it accepted no data for --send-timeout", request.remote)
+            raise ConnectionResetError("send timeout") from exc
+        except Exception:
+            status = "500"
+            raise
+        finally:
+            duration_s = time.monotonic() - started
+            metrics.observe_request(endpoint_of(request), status, duration_s, body_bytes)
+            if access_log:
+                log_access(request, _identity(request), status, body_bytes, duration_s)
+            if connection is not None:
+                connection.request_finished()
+
+    return observe_middleware
+
+
+# --------------------------------------------------------------- connections
+
+
+class ConnectionLimits:
+    """What all connections of one listening socket share."""
+
+    def __init__(self, config: HubConfig, metrics: HubMetrics) -> None:
+        self.max_connections = config.max_connections
+        self.header_timeout_s = config.header_timeout_s
+        self.send_timeout_ms = max(1, round(config.send_timeout_s * 1000))
+        self.metrics = metrics
+        self.access_log = config.access_log
+        self.open_connections = 0
+        self._refusal_logged_at: float | None = None
+        self._refused_since_log = 0
+
+    def admit(self) -> bool:
+        """Count a new connection in, unless the limit is reached."""
+        if self.open_connections >= self.max_connections:
+            self._refused()
+            return False
+        self.open_connections += 1
+        self.metrics.open_connections.inc()
+        return True
+
+    def release(self) -> None:
+        self.open_connections -= 1
+        self.metrics.open_connections.dec()
+
+    def _refused(self) -> None:
+        self.metrics.refused_connections.inc()
+        self._refused_since_log += 1
+        now = time.monotonic()
+        if self._refusal_logged_at is None or now - self._refusal_logged_at >= _REFUSAL_LOG_INTERVAL_S:
+            LOG.warning(
+                "refusing connections: %d open, the most --max-connections allows (%d refused since the last report)",
+                self.open_connections,
+                self._refused_since_log,
+            )
+            self._refusal_logged_at = now
+            self._refused_since_log = 0
+
+
+class HubRequestHandler(RequestHandler):
+    """aiohttp's connection handler plus the connection limit, the request
+    head timeout and JSON answers to malformed requests."""
+
+    def __init__(self, manager: web.Server, limits: ConnectionLimits, **options: Any) -> None:
+        super().__init__(manager, loop=asyncio.get_running_loop(), **options)
+        self._limits = limits
+        self._admitted = False
+        # Set on a refused connection until its 503 is written.
+        self._refused_transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._in_request = False
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not self._limits.admit():
+            self._refused_transport = transport  # type: ignore[assignment]
+            self._timer = self._loop.call_later(_REFUSAL_GRACE_S, self._send_refusal)
+            return
+        self._admitted = True
+        _set_send_timeout(transport, self._limits.send_timeout_ms)
+        super().connection_made(transport)
+        self._start_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if not self._admitted:
+            self._send_refusal()
+            return
+        if not self._in_request and self._timer is None:
+            self._start_header_timer()
+        super().data_received(data)
+
+    def eof_received(self) -> None:
+        if self._admitted:
+            super().eof_received()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._cancel_timer()
+        self._refused_transport = None
+        if not self._admitted:
+            return
+        self._admitted = False
+        self._limits.release()
+        super().connection_lost(exc)
+
+    # -- called by the observe middleware
+
+    def request_started(self) -> None:
+        """A request head is complete and its handler runs."""
+        self._in_request = True
+        self._cancel_timer()
+
+    def request_finished(self) -> None:
+        """The response is sent; the next byte starts a new request head."""
+        self._in_request = False
+
+    # -- aiohttp
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """Answer a request the parser refused (or an error that escaped the
+        middlewares) with JSON; log and count it. Never a traceback."""
+        if isinstance(exc, ConnectionError) or request.writer.output_size > 0:
+            # The client is gone, or a response is half sent: close.
+            raise ConnectionError("client went away or response already started")
+        if isinstance(exc, HttpProcessingError):
+            reason = printable(" ".join((message or exc.message or str(exc)).split()), 200)
+            LOG.info("malformed request from %s: %s", request.remote, reason)
+            response = json_error(status, f"bad request: {reason}")
+            body_bytes = response.content_length or 0
+            self._limits.metrics.observe_request(ENDPOINT_MALFORMED, str(status), 0.0, body_bytes)
+            if self._limits.access_log:
+                log_access(request, "-", str(status), body_bytes, 0.0)
+        else:
+            LOG.error("error answering a request from %s", request.remote, exc_info=exc)
+            response = json_error(status, "internal server error" if status >= 500 else "bad request")
+        response.headers[hdrs.SERVER] = SERVER_HEADER
+        response.force_close()
+        return response
+
+    # -- timers
+
+    def _start_header_timer(self) -> None:
+        self._cancel_timer()
+        self._timer = self._loop.call_later(self._limits.header_timeout_s, self._header_timed_out)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _header_timed_out(self) -> None:
+        self._timer = None
+        transport = self.transport
+        if self._in_request or transport is None:
+            return
+        self._limits.metrics.header_timeouts.inc()
+        LOG.info(
+            "closing connection from %s: no complete request head within %g s",
+            _peer(transport),
+            self._limits.header_timeout_s,
+        )
+        self.force_close()
+
+    def _send_refusal(self) -> None:
+        self._cancel_timer()
+        transport = self._refused_transport
+        self._refused_transport = None
+        if transport is not None and not transport.is_closing():
+            transport.write(_REFUSAL_RESPONSE)
+            transport.close()
+
+
+def _set_send_timeout(transport: asyncio.BaseTransport, timeout_ms: int) -> None:
+    """Have the kernel abort the connection once sent data stays
+    unacknowledged (or the peer's window stays shut) for ``timeout_ms``."""
+    option = getattr(socket, "TCP_USER_TIMEOUT", None)
+    sock = transport.get_extra_info("socket")
+    if option is None or sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, option, timeout_ms)
+    except OSError as exc:
+        LOG.debug("cannot set TCP_USER_TIMEOUT: %s", exc)
+
+
+def _peer(transport: asyncio.BaseTransport) -> str:
+    peer = transport.get_extra_info("peername")
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"{peer[0]}:{peer[1]}"
+    return "-"
+
+
+async def start_server(
+    runner: web.AppRunner,
+    config: HubConfig,
+    metrics: HubMetrics,
+    sock: Any,
+    ssl_context: ssl.SSLContext | None,
+) -> asyncio.Server:
+    """Listen on ``sock`` with a HubRequestHandler per connection. The
+    caller closes the returned server before ``runner.cleanup()``, which
+    then shuts the open connections down."""
+    server = runner.server
+    assert server is not None, "runner.setup() first"
+    limits = ConnectionLimits(config, metrics)
+    options = handler_options(config)
+
+    def make_handler() -> HubRequestHandler:
+        return HubRequestHandler(server, limits, **options)
+
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(
+        make_handler,
+        sock=sock,
+        ssl=ssl_context,
+        # The TLS handshake gets the same bound as a request head.
+        ssl_handshake_timeout=config.header_timeout_s if ssl_context is not None else None,
+    )

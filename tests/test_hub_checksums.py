@@ -1,0 +1,50 @@
+"""The hub's block checksums endpoint, through a real hub and the standard library's client."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import xxhash
+from hub_helpers import running_hub
+
+KiB = 1024
+
+
+def manifest_files(url: str) -> dict[str, dict]:
+    import gzip
+
+    with urllib.request.urlopen(url + "/v1/manifest", timeout=10) as response:
+        lines = gzip.decompress(response.read()).splitlines()
+    return {entry["p"]: entry for entry in map(json.loads, lines[1:]) if entry["k"] == "f"}
+
+
+def get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_checksums_match_the_blocks(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 1000 + b"tail"  # 256,004 bytes: 3 full 64 KiB blocks and a short one
+    (tmp_path / "f.bin").write_bytes(data)
+    with running_hub(tmp_path) as hub:
+        entry = manifest_files(hub.url)["f.bin"]
+        base = f"{hub.url}/v1/files/{entry['i']}/checksums?v={entry['v']}&bs={64 * KiB}"
+        status, body = get(base + "&first=1&count=10")
+        assert status == 200 and len(body) == 3 * 8  # blocks 1, 2, 3: the answer stops at the end of the file
+        expected = [xxhash.xxh3_64_intdigest(data[b * 64 * KiB : (b + 1) * 64 * KiB]) for b in (1, 2, 3)]
+        assert [int.from_bytes(body[i : i + 8], "big") for i in range(0, 24, 8)] == expected
+        assert get(base + "&first=0&count=1")[1] == get(base + "&first=0&count=1")[1]  # remembered, same answer
+        for bad in ("&first=0&count=0", "&first=-1&count=1", "&first=0&count=99999", "&first=x&count=1"):
+            assert get(base + bad)[0] == 400, bad
+        assert get(f"{hub.url}/v1/files/{entry['i']}/checksums?v={entry['v']}&bs=100000&first=0&count=1")[0] == 400
+        assert get(base + "&first=4&count=1")[0] == 416
+        assert get(base.replace(entry["v"], "0" * 16) + "&first=0&count=1")[0] == 412
+        assert get(base.replace(entry["i"], "f" * 16) + "&first=0&count=1")[0] == 404
+        (tmp_path / "f.bin").write_bytes(data + b"changed")
+        assert get(base + "&first=3&count=1")[0] == 412  # changed on disk since the scan
