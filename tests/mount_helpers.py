@@ -107,3 +107,13 @@ def mounted_spoke(
         yield spoke
     finally:
         spoke.unmount()
+
+
+def cache_data_files(cache_dir: Path) -> list[Path]:
+    """The spoke's block data files (one sparse file per hub file version)."""
+    return [path for path in (cache_dir / "data").rglob("*") if path.is_file()]
+
+
+def cache_disk_bytes(cache_dir: Path) -> int:
+    """Disk space the cached blocks really use (holes of evicted blocks excluded)."""
+    return sum(path.stat().st_blocks * 512 for path in cache_data_files(cache_dir))

@@ -11,17 +11,13 @@ from pathlib import Path
 import pytest
 from dataset import TEST_BLOCK_SIZE, source_files
 from hub_helpers import running_hub
-from mount_helpers import SpokeMount, mounted_spoke, run_cachefs
+from mount_helpers import SpokeMount, cache_disk_bytes, mounted_spoke, run_cachefs
 from test_mount import read_uncached
 
 from conftest import SPOKE_ARGS
 
 # No read-ahead: every block a test reads is a demand access it can count.
 PLAIN_ARGS = (*SPOKE_ARGS, "--readahead-blocks", "0", "--prefetch-siblings", "0")
-
-
-def block_bytes_on_disk(cache_dir: Path) -> int:
-    return sum(f.stat().st_size for f in (cache_dir / "blocks").rglob("*") if f.is_file())
 
 
 def read_all(spoke: SpokeMount, dataset: Path, relatives: list[str]) -> None:
@@ -60,7 +56,7 @@ def test_capacity_never_exceeded_under_concurrent_load(hub, dataset: Path, tmp_p
         assert errors == []
         assert len(samples) > 10 and max(samples) <= limit
         assert max(samples) > limit // 2  # the cache was really under pressure
-        assert block_bytes_on_disk(spoke.cache_dir) <= limit
+        assert cache_disk_bytes(spoke.cache_dir) <= limit
 
 
 def test_cyclic_epochs_over_twice_the_cache_keep_hitting(hub, dataset: Path, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from dataset import TEST_BLOCK_SIZE, source_files
 from hub_helpers import running_hub
-from mount_helpers import SpokeMount, is_mounted, mounted_spoke
+from mount_helpers import SpokeMount, cache_data_files, cache_disk_bytes, is_mounted, mounted_spoke
 
 from conftest import SPOKE_ARGS
 
@@ -202,8 +202,7 @@ def test_cache_stays_under_its_size_limit(hub, dataset: Path, tmp_path: Path) ->
         stats = spoke.stats()
         assert stats["cached_bytes"] <= limit
         assert stats["evicted_blocks"] + stats["rejected_blocks"] > 0  # displaced or not admitted
-        on_disk = sum(f.stat().st_size for f in (spoke.cache_dir / "blocks").rglob("*") if f.is_file())
-        assert on_disk <= limit
+        assert cache_disk_bytes(spoke.cache_dir) <= limit
         # Evicted blocks are fetched again, still correct.
         assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
 
@@ -214,7 +213,7 @@ def test_corrupt_cached_block_is_dropped_and_refetched(hub, dataset: Path, tmp_p
     args = (*SPOKE_ARGS, "--prefetch-siblings", "0")  # exactly one block gets cached
     with mounted_spoke(hub.url, tmp_path, args, cache_dir=cache_dir) as spoke:
         assert (spoke.mountpoint / relative).read_bytes() == (dataset / relative).read_bytes()
-    [block_file] = [f for f in (cache_dir / "blocks").rglob("*") if f.is_file()]
+    [block_file] = cache_data_files(cache_dir)
     data = bytearray(block_file.read_bytes())
     data[1000] ^= 0xFF
     block_file.write_bytes(bytes(data))

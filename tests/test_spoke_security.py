@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from hub_helpers import hub_env, running_hub
-from mount_helpers import SpokeMount, cachefs_command, mounted_spoke, run_cachefs
+from mount_helpers import SpokeMount, cache_data_files, cachefs_command, mounted_spoke, run_cachefs
 from test_cli_errors import assert_clean_failure
 
 from conftest import SPOKE_ARGS
@@ -137,7 +137,7 @@ def test_cache_and_control_socket_are_private(spoke: SpokeMount) -> None:
     assert stat.S_IMODE(spoke.cache_dir.stat().st_mode) == 0o700
     assert stat.S_IMODE((spoke.cache_dir / "control.sock").stat().st_mode) == 0o600
     assert stat.S_IMODE((spoke.cache_dir / "cachefs.log").stat().st_mode) == 0o600
-    blocks = [p for p in (spoke.cache_dir / "blocks").rglob("*") if p.is_file()]
+    blocks = cache_data_files(spoke.cache_dir)
     assert blocks and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in blocks)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import struct
 import threading
 from collections.abc import Callable, Iterator
@@ -51,7 +50,7 @@ class BlockCache:
     def __init__(self, db: Database, cache_dir: Path, capacity_bytes: int, block_size: int, stats: Stats) -> None:
         self._db = db
         self.index = BlockIndex(db)
-        self.store = BlockStore(cache_dir)
+        self.store = BlockStore(cache_dir, block_size)
         self.capacity_bytes = capacity_bytes
         self._stats = stats
         self._lock = threading.Lock()  # one evicting/admitting thread at a time
@@ -91,7 +90,7 @@ class BlockCache:
         that cannot be written (e.g. ENOSPC) is skipped and logged once. The
         flag of each block forces its admission (operator warm-ups)."""
         if self._disk_limit_bytes is not None and self._space_returned(blocks):
-            log.info("disk space returned; caching up to %d bytes in %s again", self.capacity_bytes, self.store.blocks_dir)
+            log.info("disk space returned; caching up to %d bytes in %s again", self.capacity_bytes, self.store.data_dir)
             self._disk_limit_bytes = None
         with self._lock:
             admitted = self._admit(blocks)
@@ -167,7 +166,7 @@ class BlockCache:
         a quarter of the filesystem free (at most 1 GiB needed) and twice the batch.
         The margin keeps a nearly full disk from flapping between the two states."""
         try:
-            usage = os.statvfs(self.store.blocks_dir)
+            usage = os.statvfs(self.store.data_dir)
         except OSError:
             return False
         free = usage.f_bavail * usage.f_frsize
@@ -184,7 +183,7 @@ class BlockCache:
         if self._disk_limit_bytes is None:
             self._disk_limit_bytes = self.index.used_bytes()
             log.error("cannot cache more blocks in %s (%s); holding the cache at %d bytes until space returns",
-                      self.store.blocks_dir, exc, self._disk_limit_bytes)
+                      self.store.data_dir, exc, self._disk_limit_bytes)
 
     # -- operator actions ---------------------------------------------------------
 
@@ -193,26 +192,26 @@ class BlockCache:
         freed = 0
         with self._lock:
             for key, length in self.index.file_blocks(file_id):
-                self.remove(key)
+                self.index.remove(key)
                 freed += length
+            self.store.delete_file(file_id)
         return freed
 
     def drop_stale(self, version_of: Callable[[bytes], bytes | None]) -> int:
         """Drop blocks of file versions the snapshot no longer has; returns how many."""
-        dropped = 0
         stale = [key for key in self.index.iter_keys() if version_of(key.file_id) != key.version]
         with self._lock:
             for key in stale:
-                self.remove(key)
-                dropped += 1
-        return dropped
+                self.index.remove(key)
+            for file_id, version in {(key.file_id, key.version) for key in stale}:
+                self.store.delete_version(file_id, version)
+        return len(stale)
 
     def purge(self) -> int:
         """Drop every cached block and remove the block files; returns the block count."""
         with self._lock:
             count = self.index.clear()
-            shutil.rmtree(self.store.blocks_dir, ignore_errors=True)
-            self.store.blocks_dir.mkdir(mode=0o700, exist_ok=True)
+            self.store.delete_all()
         return count
 
     def pin(self, files: dict[bytes, int]) -> None:
