@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import itertools
-import json
 import logging
 import os
 import struct
@@ -23,6 +22,7 @@ import xxhash
 
 from .db import Database
 from .errors import HubProtocolError
+from .hub_client import parse_json
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ def load_manifest(db: Database, manifest_gz: Path) -> tuple[ManifestSummary, Nam
     Returns the summary and what changed against the namespace it replaces.
     """
     with gzip.open(manifest_gz, "rb") as stream:
-        lines = (_parse_line(line) for line in stream if line.strip())
+        lines = (parse_json(line) for line in stream if line.strip())
         try:
             header = next(lines)
         except StopIteration:
@@ -205,16 +205,6 @@ def load_manifest(db: Database, manifest_gz: Path) -> tuple[ManifestSummary, Nam
             txn.put(b"file_bytes", str(file_bytes).encode(), db=db.meta)
     log.info("loaded manifest generation %s: %d entries, %d file bytes", header["generation"], entries, file_bytes)
     return ManifestSummary(str(header["generation"]), entries, file_bytes), changes
-
-
-def _parse_line(line: bytes) -> dict[str, Any]:
-    try:
-        value = json.loads(line)
-    except ValueError as exc:
-        raise HubProtocolError(f"corrupt manifest line: {exc}") from None
-    if not isinstance(value, dict):
-        raise HubProtocolError("corrupt manifest line: not an object")
-    return value
 
 
 def _old_names(txn: lmdb.Transaction, db: Database) -> dict[int, tuple[int, bytes]]:

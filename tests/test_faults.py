@@ -18,7 +18,16 @@ from pathlib import Path
 from dataset import TEST_BLOCK_SIZE, source_files
 from fault_proxy import running_fault_proxy
 from hub_helpers import running_hub
-from mount_helpers import SpokeMount, cache_data_files, cache_disk_bytes, daemon_pid, is_mounted, mounted_spoke, run_cachefs
+from mount_helpers import (
+    SpokeMount,
+    cache_data_files,
+    cache_disk_bytes,
+    daemon_pid,
+    is_mounted,
+    mounted_spoke,
+    run_cachefs,
+    wait_until_gone,
+)
 from test_mount import read_uncached
 
 from conftest import SPOKE_ARGS
@@ -162,23 +171,11 @@ def test_hub_down_fails_within_bound_and_recovers_without_remount(dataset: Path,
             assert not is_mounted(spoke.mountpoint)
 
 
-def wait_until_gone(pid: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"pid {pid} is still alive")
-
-
 def test_sigkill_in_the_middle_of_filling_leaves_a_consistent_cache(dataset: Path, tmp_path: Path) -> None:
     cache_dir = tmp_path / "cache"
     files = source_files(dataset)
-    with running_hub(dataset) as hub, running_fault_proxy(hub.url, fault_rate=0.0) as proxy:
-        spoke = SpokeMount(tmp_path / "mnt", cache_dir, None)
-        with mounted_spoke(proxy.url, tmp_path, SPOKE_ARGS, cache_dir=cache_dir) as spoke:
+    with running_hub(dataset) as hub:
+        with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS, cache_dir=cache_dir) as spoke:
             stop = threading.Event()
             tally = Tally()
             readers = [threading.Thread(target=mixed_reader, args=(spoke, dataset, files, s, stop, tally, DAEMON_GONE_ERRORS))
@@ -192,8 +189,8 @@ def test_sigkill_in_the_middle_of_filling_leaves_a_consistent_cache(dataset: Pat
             for reader in readers:
                 reader.join(timeout=30)
             assert tally.mismatches == 0
-            wait_until_gone(spoke.pid)
-            result = run_cachefs("mount", proxy.url, spoke.mountpoint, "--cache-dir", cache_dir, *SPOKE_ARGS)
+            assert wait_until_gone(spoke.pid, 30), f"daemon {spoke.pid} survived SIGKILL"
+            result = run_cachefs("mount", hub.url, spoke.mountpoint, "--cache-dir", cache_dir, *SPOKE_ARGS)
             assert result.returncode == 0, result.stderr
             spoke.pid = daemon_pid(cache_dir)
             for relative in files:
