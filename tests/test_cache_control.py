@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from dataset import TEST_BLOCK_SIZE, source_files
 from hub_helpers import running_hub
-from mount_helpers import SpokeMount, cache_disk_bytes, mounted_spoke, run_cachefs
+from mount_helpers import SpokeMount, cache_data_files, cache_disk_bytes, mounted_spoke, run_cachefs
 from test_mount import read_uncached
 
 from conftest import SPOKE_ARGS
@@ -56,7 +56,9 @@ def test_capacity_never_exceeded_under_concurrent_load(hub, dataset: Path, tmp_p
         assert errors == []
         assert len(samples) > 10 and max(samples) <= limit
         assert max(samples) > limit // 2  # the cache was really under pressure
-        assert cache_disk_bytes(spoke.cache_dir) <= limit
+        # On disk: the block bytes, plus at most one filesystem allocation unit per data file
+        # for the partial last block of a file.
+        assert cache_disk_bytes(spoke.cache_dir) <= limit + 4096 * len(cache_data_files(spoke.cache_dir))
 
 
 def test_cyclic_epochs_over_twice_the_cache_keep_hitting(hub, dataset: Path, tmp_path: Path) -> None:

@@ -202,7 +202,7 @@ def test_cache_stays_under_its_size_limit(hub, dataset: Path, tmp_path: Path) ->
         stats = spoke.stats()
         assert stats["cached_bytes"] <= limit
         assert stats["evicted_blocks"] + stats["rejected_blocks"] > 0  # displaced or not admitted
-        assert cache_disk_bytes(spoke.cache_dir) <= limit
+        assert cache_disk_bytes(spoke.cache_dir) <= limit + 4096 * len(cache_data_files(spoke.cache_dir))
         # Evicted blocks are fetched again, still correct.
         assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
 

@@ -17,13 +17,14 @@ from ..errors import CachefsError
 from ..metrics import Stats
 from .index import BlockIndex
 from .keys import BlockData, BlockKey
+from .plan_admission import EvictionAdvisor, admit_by_plan
 from .policy import FrequencySketch
 from .store import BlockStore
 
 log = logging.getLogger(__name__)
 
 VICTIM_BATCH = 64
-RESUME_FREE_BYTES = 1 << 30
+RESERVE_BYTES = 1 << 30
 _SIZE = struct.Struct(">Q")
 SKETCH_FILE = "policy.sketch"
 
@@ -44,7 +45,9 @@ class BlockCache:
 
     When the cache is full, a new block is admitted only if the frequency
     sketch has seen it more often than the oldest unpinned block (TinyLFU,
-    see policy.py); otherwise it is served without being cached.
+    see policy.py); otherwise it is served without being cached. While a
+    loader's plan is active, `advisor` (the planner) decides instead: the
+    block whose next planned use is furthest away goes (plan_admission.py).
     """
 
     def __init__(self, db: Database, cache_dir: Path, capacity_bytes: int, block_size: int, stats: Stats) -> None:
@@ -54,11 +57,13 @@ class BlockCache:
         self.capacity_bytes = capacity_bytes
         self._stats = stats
         self._lock = threading.Lock()  # one evicting/admitting thread at a time
-        self._disk_limit_bytes: int | None = None  # set while the disk is full
+        self._disk_reserve_bytes: int | None = None  # set once the disk has been found full
+        self._space_returned = False
         self.sketch = FrequencySketch(capacity_bytes // block_size)
         self._sketch_path = cache_dir / SKETCH_FILE
         self.sketch.load(self._sketch_path)
         self._pins = self._load_pins()
+        self.advisor: EvictionAdvisor | None = None
 
     # -- reads ------------------------------------------------------------------
 
@@ -89,9 +94,6 @@ class BlockCache:
         their index entries together. Returns how many were cached; a block
         that cannot be written (e.g. ENOSPC) is skipped and logged once. The
         flag of each block forces its admission (operator warm-ups)."""
-        if self._disk_limit_bytes is not None and self._space_returned(blocks):
-            log.info("disk space returned; caching up to %d bytes in %s again", self.capacity_bytes, self.store.data_dir)
-            self._disk_limit_bytes = None
         with self._lock:
             admitted = self._admit(blocks)
             written = []
@@ -115,8 +117,9 @@ class BlockCache:
 
     def _admit(self, blocks: list[tuple[BlockKey, BlockData, bool]]) -> list[tuple[BlockKey, BlockData]]:
         """The blocks that get a place, after evicting what they displace."""
-        limit = self.capacity_bytes if self._disk_limit_bytes is None else min(self.capacity_bytes, self._disk_limit_bytes)
-        free = limit - self.index.used_bytes()
+        free = self._limit_bytes() - self.index.used_bytes()
+        if self.advisor is not None and self.advisor.active():
+            return admit_by_plan(self, blocks, free, self.advisor)
         victims = self._victims()
         admitted = []
         for key, data, force in blocks:
@@ -161,29 +164,41 @@ class BlockCache:
         self.index.remove(key)
         self.store.delete(key)
 
-    def _space_returned(self, blocks: list[tuple[BlockKey, BlockData, bool]]) -> bool:
-        """After a write failed, write again only once the disk has clearly more room:
-        a quarter of the filesystem free (at most 1 GiB needed) and twice the batch.
-        The margin keeps a nearly full disk from flapping between the two states."""
+    def _limit_bytes(self) -> int:
+        """The capacity, or after the disk filled up once, what fits while keeping a reserve free.
+
+        The reserve (a quarter of the filesystem, at most 1 GiB) keeps a nearly
+        full disk from flapping between caching and failing.
+        """
+        if self._disk_reserve_bytes is None:
+            return self.capacity_bytes
         try:
             usage = os.statvfs(self.store.data_dir)
         except OSError:
-            return False
+            return self.index.used_bytes()
         free = usage.f_bavail * usage.f_frsize
-        wanted = max(min(RESUME_FREE_BYTES, usage.f_blocks * usage.f_frsize // 4), 2 * sum(len(d) for _k, d, _f in blocks))
-        return free >= wanted
+        if free >= 2 * self._disk_reserve_bytes and not self._space_returned:
+            log.info("disk space returned; caching in %s again, keeping %d bytes free",
+                     self.store.data_dir, self._disk_reserve_bytes)
+            self._space_returned = True
+        return min(self.capacity_bytes, self.index.used_bytes() + free - self._disk_reserve_bytes)
 
     def _note_store_failure(self, exc: Exception) -> None:
-        """A write failed (a full disk): hold the cache at its present size until space returns.
+        """A write failed (a full disk): from now on keep a reserve free on the disk.
 
-        New blocks then only get in by displacing less popular ones, which
-        keeps the bytes on disk constant; reads are served either way.
+        Until space returns, new blocks only get in by displacing less popular
+        ones, which keeps the bytes on disk constant; reads are served either way.
         """
         self._stats.store_errors += 1
-        if self._disk_limit_bytes is None:
-            self._disk_limit_bytes = self.index.used_bytes()
+        if self._disk_reserve_bytes is None or self._space_returned:
+            try:
+                usage = os.statvfs(self.store.data_dir)
+                self._disk_reserve_bytes = min(RESERVE_BYTES, usage.f_blocks * usage.f_frsize // 4)
+            except OSError:
+                self._disk_reserve_bytes = RESERVE_BYTES
+            self._space_returned = False
             log.error("cannot cache more blocks in %s (%s); holding the cache at %d bytes until space returns",
-                      self.store.data_dir, exc, self._disk_limit_bytes)
+                      self.store.data_dir, exc, self.index.used_bytes())
 
     # -- operator actions ---------------------------------------------------------
 

@@ -13,6 +13,7 @@ against the checksum in its entry, so a torn write is never served.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -71,6 +72,10 @@ class BlockStore:
             written = os.pwrite(fd, data, key.blockno * self.block_size)
             if written != len(data):
                 raise OSError(errno.ENOSPC, f"short write of {key}")
+        except OSError:
+            with contextlib.suppress(OSError):  # give back what a partial write took
+                _punch_hole(fd, key.blockno * self.block_size, self.block_size)
+            raise
         finally:
             os.close(fd)
 
