@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config nginx prometheus
 STAMP  := $(VENV)/.installed
 
 .PHONY: all setup system-packages demo test bench lint clean
@@ -33,7 +33,7 @@ test: system-packages setup
 	$(BIN)/python -m pytest -q
 
 bench: system-packages setup
-	$(BIN)/python -m cachefs.bench $(BENCH_ARGS)
+	$(BIN)/pip install -q -e '.[bench]' && $(BIN)/python -m cachefs.bench $(BENCH_ARGS)
 
 lint: setup
 	$(BIN)/python -m ruff check cachefs hubserver tests scripts
