@@ -64,8 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument("--ca-file", type=Path, metavar="FILE", help="CA bundle to verify an https hub with (default: system CAs)")
     mount.add_argument("--tls-cert", type=Path, metavar="FILE", help="client certificate for hubs that require mutual TLS")
     mount.add_argument("--tls-key", type=Path, metavar="FILE", help="private key of --tls-cert")
-    mount.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
-    mount.add_argument("--mount-timeout", type=float, default=300.0, metavar="SECONDS", help="give up mounting after this long (default: 300)")
+    mount.add_argument(
+        "--metrics-listen", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)"
+    )
+    mount.add_argument(
+        "--mount-timeout", type=float, default=300.0, metavar="SECONDS", help="give up mounting after this long (default: 300)"
+    )
     mount.add_argument(
         "--allow-other", action="store_true",
         help="let other local users read the mount (file modes from the hub still apply); default: only you",
@@ -80,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     unmount = commands.add_parser("unmount", aliases=["umount"], help="unmount and stop the daemon")
     unmount.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path)
-    unmount.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS", help="wait this long for the daemon to exit (default: 30)")
+    unmount.add_argument(
+        "--timeout", type=float, default=30.0, metavar="SECONDS", help="wait this long for the daemon to exit (default: 30)"
+    )
 
     bench = commands.add_parser(
         "bench", help="measure read workloads on any directory (run `cachefs bench --help`)", add_help=False
@@ -292,7 +298,8 @@ def _setup_logging(debug: bool, log_path: Path | None) -> None:
     level = logging.DEBUG if debug else logging.INFO
     if log_path is None:
         handler: logging.Handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("cachefs: %(message)s" if not debug else "%(asctime)s %(name)s %(levelname)s %(message)s"))
+        text = "%(asctime)s %(name)s %(levelname)s %(message)s" if debug else "cachefs: %(message)s"
+        handler.setFormatter(logging.Formatter(text))
     else:
         handler = logging.FileHandler(log_path)
         handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"))

@@ -9,12 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE, source_files
 from hub_helpers import running_hub
 from mount_helpers import SpokeMount, cache_data_files, cache_disk_bytes, mounted_spoke, run_cachefs
 from test_mount import read_uncached
-
-from conftest import SPOKE_ARGS
 
 # No read-ahead: every block a test reads is a demand access it can count.
 PLAIN_ARGS = (*SPOKE_ARGS, "--readahead-blocks", "0", "--prefetch-siblings", "0")

@@ -9,9 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from mount_helpers import SpokeMount, daemon_pid, is_mounted, mounted_spoke, run_cachefs
-
 from conftest import SPOKE_ARGS
+from mount_helpers import SpokeMount, daemon_pid, is_mounted, mounted_spoke, run_cachefs
 
 
 def assert_clean_failure(result, *fragments: str) -> None:
@@ -40,7 +39,12 @@ def test_hub_unreachable_at_mount(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "url, fragment",
-    [("ftp://hub", "expected http"), ("http://", "no host"), ("not a url", "expected http"), ("http://h:99999", "invalid hub URL")],
+    [
+        ("ftp://hub", "expected http"),
+        ("http://", "no host"),
+        ("not a url", "expected http"),
+        ("http://h:99999", "invalid hub URL"),
+    ],
 )
 def test_malformed_url(tmp_path: Path, url: str, fragment: str) -> None:
     (tmp_path / "mnt").mkdir()
@@ -78,7 +82,9 @@ def test_cache_dir_not_usable(hub, tmp_path: Path) -> None:
     assert_clean_failure(result, "not writable")
 
 
-@pytest.mark.parametrize("option, value", [("--cache-size", "ten gigs"), ("--cache-size", "-5G"), ("--block-size", "1000"), ("--block-size", "1G")])
+@pytest.mark.parametrize(
+    "option, value", [("--cache-size", "ten gigs"), ("--cache-size", "-5G"), ("--block-size", "1000"), ("--block-size", "1G")]
+)
 def test_invalid_sizes(hub, tmp_path: Path, option: str, value: str) -> None:
     (tmp_path / "mnt").mkdir()
     result = run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", tmp_path / "c", f"{option}={value}")

@@ -8,12 +8,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE
 from hub_helpers import running_hub
 from mount_helpers import mounted_spoke, run_cachefs
 from test_mount import read_uncached
-
-from conftest import SPOKE_ARGS
 
 ARGS = (*SPOKE_ARGS, "--readahead-blocks", "0", "--prefetch-siblings", "0")
 

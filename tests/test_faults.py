@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE, source_files
 from fault_proxy import running_fault_proxy
 from hub_helpers import running_hub
@@ -29,8 +30,6 @@ from mount_helpers import (
     wait_until_gone,
 )
 from test_mount import read_uncached
-
-from conftest import SPOKE_ARGS
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +117,9 @@ def test_stress_through_injected_faults(dataset: Path, tmp_path: Path) -> None:
         args = (*SPOKE_ARGS, "--fetch-timeout", str(FETCH_TIMEOUT_S), "--cache-size", str(40 * TEST_BLOCK_SIZE))
         with mounted_spoke(proxy.url, tmp_path, args) as spoke:
             stop = threading.Event()
-            workers = [threading.Thread(target=mixed_reader, args=(spoke, dataset, files, seed, stop, tally)) for seed in range(8)]
+            workers = [
+                threading.Thread(target=mixed_reader, args=(spoke, dataset, files, seed, stop, tally)) for seed in range(8)
+            ]
             workers.append(threading.Thread(target=flip_cached_bits, args=(spoke.cache_dir, stop, flips)))
             for worker in workers:
                 worker.start()

@@ -8,11 +8,10 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from conftest import SPOKE_ARGS
 from hub_helpers import hub_env
 from mount_helpers import mounted_spoke
 from test_mount import read_uncached
-
-from conftest import SPOKE_ARGS
 
 
 def free_port() -> int:

@@ -11,11 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE, source_files
 from hub_helpers import running_hub
 from mount_helpers import SpokeMount, cache_data_files, cache_disk_bytes, is_mounted, mounted_spoke
-
-from conftest import SPOKE_ARGS
 
 
 def read_uncached(path: Path, offset: int = 0, length: int | None = None, timings: list[float] | None = None) -> bytes:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 import shutil
 import stat
 import subprocess
@@ -12,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import SPOKE_ARGS
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -19,8 +19,6 @@ from cryptography.x509.oid import NameOID
 from hub_helpers import hub_env, running_hub
 from mount_helpers import SpokeMount, cache_data_files, cachefs_command, mounted_spoke, run_cachefs
 from test_cli_errors import assert_clean_failure
-
-from conftest import SPOKE_ARGS
 
 TOKEN = "s3cret-token-for-tests-0123456789"
 
@@ -62,7 +60,7 @@ def test_token_is_required_and_never_shown(dataset: Path, tmp_path: Path) -> Non
 def make_ca(tmp_path: Path, name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
         .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
@@ -79,7 +77,7 @@ def issue(tmp_path: Path, ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey
           san_ip: str | None = None, san_dns: str | None = None) -> tuple[Path, Path]:
     ca_cert, ca_key, _ = ca
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (
         x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
         .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
