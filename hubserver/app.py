@@ -10,7 +10,7 @@ from typing import Final
 
 from aiohttp import web
 
-from hubserver import checksums, handlers
+from hubserver import checksums, handlers, rescan
 from hubserver.auth import HubAuth, make_auth_middleware
 from hubserver.config import HubConfig
 from hubserver.handlers import MANIFEST_CHUNK_BYTES_KEY, METRICS_KEY, SNAPSHOT_KEY
@@ -21,6 +21,7 @@ from hubserver.metrics import (
     ENDPOINT_HEALTHZ,
     ENDPOINT_MANIFEST,
     ENDPOINT_METRICS,
+    ENDPOINT_RESCAN,
     HubMetrics,
 )
 from hubserver.server import make_observe_middleware
@@ -40,15 +41,8 @@ async def _snapshot_ctx(app: web.Application) -> AsyncIterator[None]:
     started = time.monotonic()
     snapshot = await loop.run_in_executor(None, scan, config.root)
     scan_s = time.monotonic() - started
-    app[SNAPSHOT_KEY] = snapshot
-    app[METRICS_KEY].set_snapshot(
-        generation=snapshot.generation,
-        files=snapshot.file_count,
-        size_bytes=snapshot.total_bytes,
-        entries=len(snapshot.entries),
-        scan_s=scan_s,
-        finished_at_s=time.time(),
-    )
+    app[SNAPSHOT_KEY] = rescan.SnapshotHolder(snapshot, app[METRICS_KEY])
+    rescan.publish(app[METRICS_KEY], snapshot, scan_s)
     LOG.info(
         "scanned %s: %d files, %d bytes, %d entries, generation %s (%.2f s)",
         snapshot.root,
@@ -58,7 +52,8 @@ async def _snapshot_ctx(app: web.Application) -> AsyncIterator[None]:
         snapshot.generation,
         scan_s,
     )
-    yield
+    async for _ in rescan.interval_ctx(app, config.rescan_interval_s):
+        yield
 
 
 def make_app(config: HubConfig, auth: HubAuth | None = None) -> web.Application:
@@ -96,4 +91,5 @@ def make_app(config: HubConfig, auth: HubAuth | None = None) -> web.Application:
     app[checksums.CHECKSUMS_KEY] = checksums.ChecksumCache()
     add_get("/v1/files/{file_id}/checksums", checksums.file_checksums, allow_head=False, name=ENDPOINT_CHECKSUMS)
     add_get("/metrics", handlers.metrics, name=ENDPOINT_METRICS)
+    app.router.add_post("/v1/rescan", rescan.rescan_request, name=ENDPOINT_RESCAN)
     return app

@@ -98,7 +98,7 @@ async def file_checksums(request: web.Request) -> web.Response:
         raise HubHTTPError(400, "bs must be a power of two")
     first = _int_param(request, "first", 0, 1 << 40)
     count = _int_param(request, "count", 1, MAX_COUNT)
-    snapshot = request.app[SNAPSHOT_KEY]
+    snapshot = request.app[SNAPSHOT_KEY].current
     record = snapshot.files_by_id.get(file_id)
     if record is None:
         raise HubHTTPError(404, f"no file with id {file_id} in this snapshot")

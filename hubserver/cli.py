@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Scan DIR once into a snapshot and serve it (protocol version 1: "
             "/healthz, /v1/manifest, /v1/files/ID, /metrics). Once listening, prints "
             f"'{PROG} listening on http://HOST:PORT' (https with TLS) on stdout; logs go to "
-            "stderr. Stops cleanly on SIGTERM or SIGINT; SIGHUP reloads the token files."
+            "stderr. Stops cleanly on SIGTERM or SIGINT; SIGHUP reloads the token files; SIGUSR1 rescans the root."
         ),
     )
     serve.add_argument("--root", required=True, type=Path, metavar="DIR", help="dataset directory")
@@ -164,6 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_IDLE_TIMEOUT_S,
         metavar="SECONDS",
         help=f"close a keep-alive connection idle this long between requests (default: {DEFAULT_IDLE_TIMEOUT_S:g})",
+    )
+    parser_rescan = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    parser_rescan.add_argument(
+        "--rescan-interval",
+        type=_positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="rescan the root this often and publish a new generation (default: only on SIGUSR1 or POST /v1/rescan)",
     )
     return parser
 
@@ -258,6 +266,7 @@ async def serve(config: HubConfig, auth: HubAuth, ssl_context: ssl.SSLContext | 
     from aiohttp import web
 
     from hubserver.app import METRICS_KEY, make_app
+    from hubserver.handlers import SNAPSHOT_KEY
     from hubserver.server import handler_options, start_server
 
     app = make_app(config, auth)
@@ -270,6 +279,8 @@ async def serve(config: HubConfig, auth: HubAuth, ssl_context: ssl.SSLContext | 
     loop = asyncio.get_running_loop()
     server: asyncio.Server | None = None
     loop.add_signal_handler(signal.SIGHUP, auth.reload, metrics)
+    holder = app[SNAPSHOT_KEY]
+    loop.add_signal_handler(signal.SIGUSR1, lambda: loop.create_task(holder.rescan()))
     try:
         server = await start_server(runner, config, metrics, sock, ssl_context)
         host, port = sock.getsockname()[:2]
@@ -279,6 +290,7 @@ async def serve(config: HubConfig, auth: HubAuth, ssl_context: ssl.SSLContext | 
         LOG.info("received %s, shutting down", signum.name)
     finally:
         loop.remove_signal_handler(signal.SIGHUP)
+        loop.remove_signal_handler(signal.SIGUSR1)
         if server is not None:
             server.close()
         await runner.cleanup()
@@ -319,6 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             header_timeout_s=args.header_timeout,
             send_timeout_s=args.send_timeout,
             keepalive_timeout_s=args.idle_timeout,
+            rescan_interval_s=args.rescan_interval,
         )
         auth, ssl_context = _load_credentials(config)
         with bind_socket(config.host, config.port) as sock:

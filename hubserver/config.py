@@ -58,6 +58,9 @@ class HubConfig:
     # NAME:TOKEN lines; when set, every endpoint but /healthz and /metrics
     # needs `Authorization: Bearer TOKEN`. Reloaded on SIGHUP.
     token_file: Path | None = None
+    # Rescan the root this often, publishing a new generation (None: only
+    # on SIGUSR1 or POST /v1/rescan).
+    rescan_interval_s: float | None = None
     # Same format; when set, /metrics needs a token from this file.
     metrics_token_file: Path | None = None
     # PEM certificate chain and private key: serve HTTPS instead of HTTP.

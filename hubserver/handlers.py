@@ -19,7 +19,6 @@ from multidict import CIMultiDict
 from hubserver.manifest import (
     FileChangedError,
     FileRecord,
-    Snapshot,
     iter_manifest_lines,
     open_unchanged,
 )
@@ -27,7 +26,7 @@ from hubserver.metrics import ENDPOINT_OTHER, ENDPOINTS, HubMetrics
 
 LOG = logging.getLogger(__name__)
 
-SNAPSHOT_KEY: Final = web.AppKey("snapshot", Snapshot)
+SNAPSHOT_KEY: Final = web.AppKey("snapshot", object)  # a rescan.SnapshotHolder; .current is the Snapshot
 MANIFEST_CHUNK_BYTES_KEY: Final = web.AppKey("manifest_chunk_bytes", int)
 METRICS_KEY: Final = web.AppKey("metrics", HubMetrics)
 BODY_BYTES_KEY: Final = web.RequestKey("body_bytes", int)
@@ -151,7 +150,7 @@ async def set_server_header(request: web.Request, response: web.StreamResponse) 
 async def healthz(request: web.Request) -> web.Response:
     """``GET /healthz``: liveness plus what the snapshot holds."""
     check_query(request, _NO_QUERY)
-    snapshot = request.app[SNAPSHOT_KEY]
+    snapshot = request.app[SNAPSHOT_KEY].current
     return web.json_response(
         {
             "status": "ok",
@@ -198,7 +197,7 @@ async def manifest(request: web.Request) -> web.StreamResponse:
     the handler with ConnectionError.
     """
     check_query(request, _NO_QUERY)
-    snapshot = request.app[SNAPSHOT_KEY]
+    snapshot = request.app[SNAPSHOT_KEY].current
     chunk_bytes = request.app[MANIFEST_CHUNK_BYTES_KEY]
     response = web.StreamResponse(
         headers={
@@ -323,7 +322,7 @@ def _lookup(request: web.Request) -> FileRecord:
     wanted_version = request.query.get("v")
     if wanted_version is not None and not _HEX16_RE.fullmatch(wanted_version):
         raise HubHTTPError(400, "malformed version: expected 16 lowercase hex digits")
-    record = request.app[SNAPSHOT_KEY].files_by_id.get(file_id)
+    record = request.app[SNAPSHOT_KEY].current.files_by_id.get(file_id)
     if record is None:
         raise HubHTTPError(404, f"no file with id {file_id} in this snapshot")
     if wanted_version is not None and wanted_version != record.version:
@@ -347,7 +346,7 @@ async def file_data(request: web.Request) -> web.StreamResponse:
     """``GET /v1/files/{id}?v={version}``: bytes of one snapshot file."""
     record = _lookup(request)
     range_header = _range_header(request, record)
-    snapshot = request.app[SNAPSHOT_KEY]
+    snapshot = request.app[SNAPSHOT_KEY].current
     loop = asyncio.get_running_loop()
     try:
         fd = await loop.run_in_executor(None, open_unchanged, snapshot, record)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
+import signal
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -23,7 +27,7 @@ def test_changed_file_is_refused_not_mixed_and_refresh_moves_on(dataset: Path, t
     changed, unchanged = source / "shards/shard-001.bin", source / "shards/shard-000.bin"
     old_bytes = changed.read_bytes()
     with running_hub(source) as hub:
-        port = hub.port
+        generation_before = health(hub.url)["generation"]
         with mounted_spoke(hub.url, tmp_path, ARGS) as spoke:
             mounted_changed = spoke.mountpoint / "shards/shard-001.bin"
             mounted_unchanged = spoke.mountpoint / "shards/shard-000.bin"
@@ -43,35 +47,47 @@ def test_changed_file_is_refused_not_mixed_and_refresh_moves_on(dataset: Path, t
             assert "changed on the hub" in spoke.log_text()
             assert mounted_changed.stat().st_size == len(old_bytes)
 
-            # A hub that rescans publishes a new generation; refresh moves the mount to it.
-            hub.stop()
-            with running_hub(source, ["--listen", f"127.0.0.1:{port}"]):
-                fetched_before = spoke.stats()["fetched_bytes"]
-                result = run_cachefs("refresh", spoke.mountpoint)
-                assert result.returncode == 0, result.stderr
-                assert "now shows generation" in result.stdout and "1 entries changed" in result.stdout
-                assert mounted_changed.stat().st_size == len(new_bytes)
-                assert read_uncached(mounted_changed) == new_bytes
-                # The unchanged file kept its cached blocks.
-                fetched = spoke.stats()["fetched_bytes"] - fetched_before
-                assert read_uncached(mounted_unchanged) == unchanged.read_bytes()
-                assert spoke.stats()["fetched_bytes"] - fetched_before == fetched
-                again = run_cachefs("refresh", spoke.mountpoint)
-                assert again.returncode == 0 and "already shows" in again.stdout
+            # The hub rescans on SIGUSR1 and publishes a new generation; refresh moves the mount to it.
+            hub.proc.send_signal(signal.SIGUSR1)
+            wait_for_generation_change(hub.url, generation_before)
+            fetched_before = spoke.stats()["fetched_bytes"]
+            result = run_cachefs("refresh", spoke.mountpoint)
+            assert result.returncode == 0, result.stderr
+            assert "now shows generation" in result.stdout and "1 entries changed" in result.stdout
+            assert mounted_changed.stat().st_size == len(new_bytes)
+            assert read_uncached(mounted_changed) == new_bytes
+            # The unchanged file kept its cached blocks.
+            fetched = spoke.stats()["fetched_bytes"] - fetched_before
+            assert read_uncached(mounted_unchanged) == unchanged.read_bytes()
+            assert spoke.stats()["fetched_bytes"] - fetched_before == fetched
+            again = run_cachefs("refresh", spoke.mountpoint)
+            assert again.returncode == 0 and "already shows" in again.stdout
+
+
+def health(url: str) -> dict:
+    with urllib.request.urlopen(url + "/healthz", timeout=10) as response:
+        return json.load(response)
+
+
+def wait_for_generation_change(url: str, before: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while health(url)["generation"] == before:
+        assert time.monotonic() < deadline, "the hub did not rescan"
+        time.sleep(0.1)
 
 
 def test_removed_and_added_files_after_refresh(dataset: Path, tmp_path: Path) -> None:
     source = tmp_path / "source"
     shutil.copytree(dataset, source, symlinks=True)
     with running_hub(source) as hub:
-        port = hub.port
         with mounted_spoke(hub.url, tmp_path, ARGS) as spoke:
             assert (spoke.mountpoint / "with space.txt").read_text() == "a name with a space\n"
             os.unlink(source / "with space.txt")
             (source / "new.txt").write_text("added later\n")
-            hub.stop()
-            with running_hub(source, ["--listen", f"127.0.0.1:{port}"]):
-                assert run_cachefs("refresh", spoke.mountpoint).returncode == 0
-                assert not (spoke.mountpoint / "with space.txt").exists()
-                assert (spoke.mountpoint / "new.txt").read_text() == "added later\n"
-                assert "new.txt" in os.listdir(spoke.mountpoint)
+            request = urllib.request.Request(hub.url + "/v1/rescan", method="POST")
+            with urllib.request.urlopen(request, timeout=30) as response:
+                assert json.load(response)["rescanned"] is True
+            assert run_cachefs("refresh", spoke.mountpoint).returncode == 0
+            assert not (spoke.mountpoint / "with space.txt").exists()
+            assert (spoke.mountpoint / "new.txt").read_text() == "added later\n"
+            assert "new.txt" in os.listdir(spoke.mountpoint)
