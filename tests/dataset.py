@@ -15,7 +15,7 @@ TEST_BLOCK_SIZE = 64 * KiB
 
 def make_dataset(root: Path, seed: int = 7) -> Path:
     """Large files with odd sizes, many small files, nested and empty dirs,
-    empty files, symlinks, names with spaces and UTF-8."""
+    empty files, symlinks, names with spaces, UTF-8 and bytes that are not UTF-8."""
     rng = random.Random(seed)
     root.mkdir(parents=True, exist_ok=True)
     big = root / "shards"
@@ -34,6 +34,7 @@ def make_dataset(root: Path, seed: int = 7) -> Path:
     (root / "empty.bin").write_bytes(b"")
     (root / "naïve café ☕.txt").write_text("unicode name\n", encoding="utf-8")
     (root / "with space.txt").write_text("a name with a space\n")
+    (root / os.fsdecode(b"not-utf8-\xff\xfe.bin")).write_bytes(rng.randbytes(1000))  # a name that is not UTF-8
     os.symlink("shards/shard-000.bin", root / "link-to-shard")
     os.symlink("a/b", root / "link-to-dir")
     return root
