@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own parser: argparse would take `bench --help` for ours
+        from .bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
     try:
         args = build_parser().parse_args(with_config_file(argv))
     except CachefsError as exc:
@@ -109,10 +113,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _mount(args, argv)
         if args.command in ("unmount", "umount"):
             return _unmount(args)
-        if args.command == "bench":
-            from .bench.cli import main as bench_main
-
-            return bench_main(args.bench_args)
         return cli_admin.run(args)
     except CachefsError as exc:
         print(f"cachefs: error: {exc}", file=sys.stderr)

@@ -1,12 +1,193 @@
-"""`cachefs bench PATH`: read workloads against any mounted directory."""
+"""`cachefs bench PATH`: read workloads against any mounted directory.
+
+    cachefs bench /mnt/c4 --quick --json results.json
+    cachefs bench /mnt/c4 --workloads seq1,loader --loader-compute-ms 100
+
+PATH may be a cachefs mount (then its counters are sampled into the loader
+timeline), a local directory, or any other filesystem. Prints a Markdown
+table on stdout; `--json` writes every number, the loader timeline included.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import report
+from .loader import LoaderConfig, run_loader
+from .workloads import Dataset, find_dataset, random_pread, sequential_read, small_read_all, tree_walk
+
+log = logging.getLogger(__name__)
+
+WORKLOADS = ("seq1", "seq4", "rand4k", "rand16k", "walk", "small", "loader")
+STATS_XATTR = "user.cachefs.stats"
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """Count and time bounds of one run; `--quick` picks the small one."""
+
+    time_limit_s: float  # per sequential, walk and small-file workload
+    random_reads: int
+    random_time_limit_s: float
+    loader_samples: int
+    loader_epoch_time_limit_s: float
+
+
+QUICK = Budget(time_limit_s=60, random_reads=1000, random_time_limit_s=6, loader_samples=2048,
+               loader_epoch_time_limit_s=60)
+FULL = Budget(time_limit_s=120, random_reads=5000, random_time_limit_s=15, loader_samples=8192,
+              loader_epoch_time_limit_s=120)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cachefs bench",
+        description="Measure read workloads on a directory: sequential throughput, random pread latency, "
+        "small-file walk and read, and a training-like loader. Large files are shards/*.bin "
+        "(else files >= 8 MiB), small files small/*/* (else the rest).",
+    )
+    parser.add_argument("path", type=Path, help="the directory to read (a mount or a local dir)")
+    parser.add_argument("--quick", action="store_true", help="smaller count and time budgets")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write all results as JSON to FILE")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)")
+    parser.add_argument("--label", help="name of this run in the report (default: PATH)")
+    parser.add_argument("--time-limit", type=float, metavar="SECONDS", help="bound per workload")
+    parser.add_argument("--random-reads", type=int, metavar="N", help="preads per random workload")
+    parser.add_argument("--rand4k-reads", type=int, metavar="N", help="preads of the 4 KiB workload (overrides)")
+    parser.add_argument("--rand16k-reads", type=int, metavar="N", help="preads of the 16 KiB workload (overrides)")
+    parser.add_argument("--small-files", type=int, metavar="N", help="read at most N small files (default: all)")
+    parser.add_argument("--small-threads", type=int, default=16, help="threads reading small files (default: 16)")
+    parser.add_argument("--loader-workers", type=int, default=LoaderConfig.workers,
+                        help="loader processes (default: %(default)s)")
+    parser.add_argument("--loader-batch", type=int, default=LoaderConfig.batch_size,
+                        help="samples per batch (default: %(default)s)")
+    parser.add_argument("--loader-compute-ms", type=float, default=LoaderConfig.compute_s * 1000,
+                        help="emulated accelerator time per batch (default: %(default)g)")
+    parser.add_argument("--loader-samples", type=int, metavar="N", help="samples per epoch (0: all)")
+    parser.add_argument("--loader-epochs", type=int, default=LoaderConfig.epochs, help="epochs (default: 2)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of offsets and shuffles (default: 0)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    return parser
+
+
+def mount_stats(path: Path) -> dict[str, Any] | None:
+    """A cachefs mount's counters, or None for any other directory."""
+    try:
+        return json.loads(os.getxattr(path, STATS_XATTR))
+    except (OSError, ValueError):
+        return None
+
+
+def _selected(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in WORKLOADS]
+    if unknown:
+        raise ValueError(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
+    return names
+
+
+def _loader_config(args: argparse.Namespace, budget: Budget) -> LoaderConfig:
+    return LoaderConfig(
+        workers=args.loader_workers,
+        batch_size=args.loader_batch,
+        compute_s=args.loader_compute_ms / 1000,
+        samples_per_epoch=budget.loader_samples if args.loader_samples is None else args.loader_samples,
+        epochs=args.loader_epochs,
+        epoch_time_limit_s=budget.loader_epoch_time_limit_s,
+        seed=args.seed,
+    )
+
+
+def run_workload(name: str, dataset: Dataset, args: argparse.Namespace, budget: Budget) -> dict[str, Any]:
+    """Run one named workload and return its result as a dict."""
+    time_limit_s = args.time_limit or budget.time_limit_s
+    random_limit_s = args.time_limit or budget.random_time_limit_s
+    reads = args.random_reads or budget.random_reads
+    if name == "seq1":
+        return sequential_read(dataset.large_group("seq1"), 1, time_limit_s).as_dict()
+    if name == "seq4":
+        return sequential_read(dataset.large_group("seq4"), 4, time_limit_s).as_dict()
+    if name == "rand4k":
+        count = args.rand4k_reads or reads
+        return random_pread(dataset.large_group("random"), 4096, count, random_limit_s, args.seed).as_dict()
+    if name == "rand16k":
+        count = args.rand16k_reads or reads
+        return random_pread(dataset.large_group("random"), 16384, count, random_limit_s, args.seed + 1).as_dict()
+    if name == "walk":
+        return tree_walk(dataset.small_root, time_limit_s).as_dict()
+    if name == "small":
+        return small_read_all(dataset.small, args.small_threads, time_limit_s, args.small_files).as_dict()
+    if name == "loader":
+        stats_fn = (lambda: mount_stats(args.path)) if mount_stats(args.path) is not None else None
+        return run_loader(dataset.large_group("loader"), _loader_config(args, budget), stats_fn).as_dict()
+    raise ValueError(name)
+
+
+def _can_run(name: str, dataset: Dataset) -> str | None:
+    """Why `name` cannot run on this dataset, or None."""
+    if name in ("seq1", "seq4", "rand4k", "rand16k", "loader") and not dataset.large:
+        return "no large files"
+    if name == "small" and not dataset.small:
+        return "no small files"
+    return None
+
+
+def run_all(args: argparse.Namespace) -> dict[str, Any]:
+    """Every selected workload on args.path, in order, as one JSON-able dict."""
+    budget = QUICK if args.quick else FULL
+    dataset = find_dataset(args.path)
+    results: dict[str, Any] = {
+        "label": args.label or str(args.path),
+        "path": str(args.path),
+        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "budget": dataclasses.asdict(budget),
+        "dataset": {
+            "large_files": len(dataset.large),
+            "large_bytes": sum(entry.size_bytes for entry in dataset.large),
+            "small_files": len(dataset.small),
+            "small_bytes": sum(entry.size_bytes for entry in dataset.small),
+        },
+        "stats_before": mount_stats(args.path),
+        "workloads": {},
+    }
+    for name in _selected(args.workloads):
+        reason = _can_run(name, dataset)
+        if reason:
+            results["workloads"][name] = {"skipped": reason}
+            continue
+        log.info("%s: running %s", args.path, name)
+        began = time.monotonic()
+        results["workloads"][name] = run_workload(name, dataset, args, budget)
+        log.info("%s: %s done in %.1f s", args.path, name, time.monotonic() - began)
+    results["stats_after"] = mount_stats(args.path)
+    return results
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="cachefs bench", description="Measure read workloads on a directory.")
-    parser.add_argument("path")
-    parser.parse_args(argv)
-    raise NotImplementedError("cachefs bench is being built")
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not args.path.is_dir():
+        print(f"cachefs bench: error: {args.path} is not a directory", file=sys.stderr)
+        return 2
+    try:
+        _selected(args.workloads)
+    except ValueError as exc:
+        print(f"cachefs bench: error: {exc}", file=sys.stderr)
+        return 2
+    results = run_all(args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    print(report.single_run_table(results))
+    return 0

@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import logging
 import math
+import signal
 import sys
 
 import trio
@@ -36,7 +37,8 @@ class Link:
     delay_s: float
     rate_bytes_per_s: float = math.inf
     free_at: float = 0.0  # when the link finishes sending what it has accepted
-    bytes_carried: int = 0
+    bytes_carried: int = 0  # accepted from the sending side
+    bytes_delivered: int = 0  # written to the receiving side: what crossed the WAN
 
     def due_time(self, now: float, size: int) -> float:
         """When a chunk of `size` bytes arriving `now` reaches the other side."""
@@ -73,11 +75,18 @@ class WanEmulator:
             nursery.start_soon(_pump, client, server, self.upstream, nursery.cancel_scope)
             nursery.start_soon(_pump, server, client, self.downstream, nursery.cancel_scope)
 
+    def summary(self) -> str:
+        """One line with the bytes that crossed the link each way (printed on exit by the CLI)."""
+        return (
+            f"wan carried {self.downstream.bytes_delivered} bytes downstream, "
+            f"{self.upstream.bytes_delivered} bytes upstream, {self.connections} connections"
+        )
+
 
 async def _pump(source: trio.SocketStream, sink: trio.SocketStream, link: Link, scope: trio.CancelScope) -> None:
     send_channel, receive_channel = trio.open_memory_channel[tuple[float, bytes]](QUEUE_CHUNKS)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_deliver, receive_channel, sink, scope)
+        nursery.start_soon(_deliver, receive_channel, sink, link, scope)
         async with send_channel:
             while True:
                 try:
@@ -89,7 +98,12 @@ async def _pump(source: trio.SocketStream, sink: trio.SocketStream, link: Link, 
                 await send_channel.send((link.due_time(trio.current_time(), len(data)), data))
 
 
-async def _deliver(channel: trio.MemoryReceiveChannel[tuple[float, bytes]], sink: trio.SocketStream, scope: trio.CancelScope) -> None:
+async def _deliver(
+    channel: trio.MemoryReceiveChannel[tuple[float, bytes]],
+    sink: trio.SocketStream,
+    link: Link,
+    scope: trio.CancelScope,
+) -> None:
     async with channel:
         async for due, data in channel:
             await trio.sleep_until(due)
@@ -98,6 +112,7 @@ async def _deliver(channel: trio.MemoryReceiveChannel[tuple[float, bytes]], sink
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 scope.cancel()
                 return
+            link.bytes_delivered += len(data)
     # The source closed: pass the half-close on after the last chunk.
     try:
         await sink.send_eof()
@@ -115,21 +130,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cachefs.bench.wan", description=__doc__.split("\n")[0])
     parser.add_argument("--target", required=True, help="HOST:PORT to forward to")
     parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (default: 127.0.0.1:0)")
-    parser.add_argument("--delay-ms", type=float, default=30.0, help="one-way delay per direction (default: 30 = 60 ms RTT)")
-    parser.add_argument("--rate-mbit", type=float, default=None, help="rate cap per direction in Mbit/s (default: none)")
+    parser.add_argument("--delay-ms", type=float, default=30.0,
+                        help="one-way delay per direction (default: 30 = 60 ms RTT)")
+    parser.add_argument("--rate-mbit", type=float, default=None,
+                        help="rate cap per direction in Mbit/s (default: none)")
     args = parser.parse_args(argv)
     emulator = make_emulator(args.target, args.delay_ms, args.rate_mbit)
     host, _, port = args.listen.rpartition(":")
 
     async def run() -> None:
-        async with trio.open_nursery() as nursery:
-            bound = await nursery.start(emulator.serve, host, int(port))
-            print(f"wan listening on http://{host}:{bound}", flush=True)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                bound = await nursery.start(emulator.serve, host, int(port))
+                print(f"wan listening on http://{host}:{bound}", flush=True)
+                async for _signum in signals:
+                    nursery.cancel_scope.cancel()
+                    break
 
     try:
         trio.run(run)
     except KeyboardInterrupt:
-        return 0
+        pass
+    # SIGTERM/SIGINT stop it cleanly; the last line says what crossed the link.
+    print(emulator.summary(), flush=True)
     return 0
 
 

@@ -1,0 +1,177 @@
+"""Markdown tables from benchmark results (the dicts `cli.run_all` returns)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+MiB = 1024 * 1024
+
+
+def _fmt(value: float | None, digits: int = 0) -> str:
+    if value is None:
+        return "–"
+    return f"{value:,.{digits}f}"
+
+
+def _ms(value: float | None) -> str:
+    """Milliseconds with sensible precision from 10 µs up."""
+    if value is None:
+        return "–"
+    if value < 1:
+        return f"{value:.3f}"
+    if value < 10:
+        return f"{value:.2f}"
+    return f"{value:.0f}"
+
+
+def _cut(result: dict[str, Any]) -> str:
+    """Markers: * cut short by its time limit, ! some reads failed."""
+    return ("" if result.get("complete", True) else "*") + ("!" if result.get("errors") else "")
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# -- cells shared by both tables ---------------------------------------------------------
+
+
+def seq_cell(workloads: dict[str, Any], name: str) -> str:
+    result = workloads.get(name)
+    if not result or "skipped" in result:
+        return "–"
+    return _fmt(result["mb_per_s"]) + _cut(result)
+
+
+def latency_cell(workloads: dict[str, Any], name: str) -> str:
+    result = workloads.get(name)
+    if not result or "skipped" in result:
+        return "–"
+    return f"{_ms(result['p50_ms'])} / {_ms(result['p99_ms'])}{_cut(result)}"
+
+
+def walk_cell(workloads: dict[str, Any]) -> str:
+    result = workloads.get("walk")
+    if not result or "skipped" in result:
+        return "–"
+    return f"{result['wall_s']:.2f}{_cut(result)}"
+
+
+def small_cell(workloads: dict[str, Any]) -> str:
+    result = workloads.get("small")
+    if not result or "skipped" in result:
+        return "–"
+    return f"{result['wall_s']:.1f} ({_fmt(result['mb_per_s'])}){_cut(result)}"
+
+
+def epoch_cell(workloads: dict[str, Any], epoch: int) -> str:
+    result = workloads.get("loader")
+    if not result or "skipped" in result or len(result["epochs"]) < epoch:
+        return "–"
+    run = result["epochs"][epoch - 1]
+    return f"{_fmt(run['samples_per_s'])} ({run['busy_pct']:.0f} %){_cut(run)}"
+
+
+# -- one directory ------------------------------------------------------------------------
+
+
+def single_run_table(results: dict[str, Any]) -> str:
+    """What `cachefs bench PATH` prints."""
+    workloads = results["workloads"]
+    rows: list[list[str]] = []
+    for name, label in (("seq1", "sequential, 1 thread"), ("seq4", "sequential, 4 threads")):
+        if name in workloads:
+            result = workloads[name]
+            detail = result.get("skipped") or (
+                f"{result['files']} files, {result['bytes_read'] / MiB:,.0f} MiB in {result['wall_s']:.2f} s")
+            rows.append([label, seq_cell(workloads, name) + " MB/s", detail])
+    for name, label in (("rand4k", "random 4 KiB pread p50 / p99"), ("rand16k", "random 16 KiB pread p50 / p99")):
+        if name in workloads:
+            result = workloads[name]
+            detail = result.get("skipped") or f"{result['reads']} reads in {result['wall_s']:.1f} s"
+            rows.append([label, latency_cell(workloads, name) + " ms", detail])
+    if "walk" in workloads:
+        result = workloads["walk"]
+        rows.append(["tree walk, lstat every entry", walk_cell(workloads) + " s",
+                     f"{result['entries']} entries, {result['files']} files"])
+    if "small" in workloads:
+        result = workloads["small"]
+        detail = result.get("skipped") or (
+            f"{result['files']} files, {result['bytes_read'] / MiB:,.0f} MiB, {result['threads']} threads")
+        rows.append(["small files, read all: s (MB/s)", small_cell(workloads), detail])
+    if "loader" in workloads and "skipped" not in workloads["loader"]:
+        loader = workloads["loader"]
+        config = loader["config"]
+        for run in loader["epochs"]:
+            rows.append([
+                f"loader epoch {run['epoch']}: samples/s (busy)",
+                epoch_cell(workloads, run["epoch"]),
+                f"{run['samples']} samples, {config['workers']} workers, batch {config['batch_size']}, "
+                f"compute {config['compute_s'] * 1000:g} ms/batch, read p50/p99 "
+                f"{_ms(run['read_p50_ms'])}/{_ms(run['read_p99_ms'])} ms",
+            ])
+    table = _table(["workload", "result", "detail"], rows)
+    return f"{results['label']}\n\n{table}\n\n* = cut short by its time limit, ! = some reads failed"
+
+
+# -- scenarios side by side -----------------------------------------------------------------
+
+SCENARIO_HEADER = [
+    "scenario", "seq 1T MB/s", "seq 4T MB/s", "4 KiB p50/p99 ms", "16 KiB p50/p99 ms", "walk s",
+    "small read s (MB/s)", "loader ep1 samples/s (busy)", "loader ep2 samples/s (busy)", "WAN MB",
+    "peak RSS MiB", "CPU s/GB",
+]
+
+
+def scenario_row(scenario: dict[str, Any]) -> list[str]:
+    """One table row; a failed scenario shows its error."""
+    if scenario.get("error"):
+        error = scenario["error"] if len(scenario["error"]) <= 160 else scenario["error"][:157] + "..."
+        return [scenario["name"], f"failed: {error}"] + ["–"] * (len(SCENARIO_HEADER) - 2)
+    workloads = scenario["results"]["workloads"]
+    resources = scenario.get("resources", {})
+    name = scenario["name"] + (f" ({scenario['note']})" if scenario.get("note") else "")
+    wan_bytes = resources.get("wan_bytes")
+    rss_kib = resources.get("peak_rss_kib")
+    return [
+        name,
+        seq_cell(workloads, "seq1"),
+        seq_cell(workloads, "seq4"),
+        latency_cell(workloads, "rand4k"),
+        latency_cell(workloads, "rand16k"),
+        walk_cell(workloads),
+        small_cell(workloads),
+        epoch_cell(workloads, 1),
+        epoch_cell(workloads, 2),
+        _fmt(wan_bytes / 1e6) if wan_bytes is not None else "–",
+        _fmt(rss_kib / 1024) if rss_kib is not None else "–",
+        _fmt(resources.get("cpu_s_per_gb"), 1),
+    ]
+
+
+def scenarios_table(scenarios: Sequence[dict[str, Any]]) -> str:
+    return _table(SCENARIO_HEADER, [scenario_row(scenario) for scenario in scenarios])
+
+
+def targets_table(targets: Sequence[dict[str, Any]]) -> str:
+    rows = [[target["target"], target["measured"], {True: "yes", False: "**no**", None: "n/a"}[target["met"]]]
+            for target in targets]
+    return _table(["target", "measured", "met"], rows)
+
+
+def ceilings_table(ceilings: Sequence[dict[str, Any]]) -> str:
+    """Plain HTTP GETs through each link: what the link and the emulator can carry on this machine."""
+    rows = []
+    for ceiling in ceilings:
+        if ceiling.get("error"):
+            rows.append([ceiling["label"], f"failed: {ceiling['error']}", "–"])
+            continue
+        cpu = ceiling.get("emulator_cpu_s")
+        cpu_cell = f"{cpu / (ceiling['bytes'] / 1e9):.1f}" if cpu is not None and ceiling["bytes"] else "–"
+        rows.append([ceiling["label"], f"{ceiling['mb_per_s']:,.0f}" + ("!" if ceiling.get("failed") else ""),
+                     cpu_cell])
+    return _table([f"link (curl, {ceilings[0]['streams'] if ceilings else 8} parallel GETs)", "MB/s",
+                   "emulator CPU s/GB"], rows)

@@ -1,0 +1,93 @@
+"""The project's performance targets (issue 3), checked against one run's scenarios."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+LINK_MB_PER_S = 125.0  # 1 Gbit/s
+WALK_FILES_TARGET = 20_000
+
+
+def _find(scenarios: Sequence[dict[str, Any]], system: str, link: str | None, state: str) -> dict[str, Any] | None:
+    for scenario in scenarios:
+        if (scenario["system"], scenario["link"], scenario["state"]) == (system, link, state) and "results" in scenario:
+            return scenario
+    return None
+
+
+def _workload(scenario: dict[str, Any] | None, name: str) -> dict[str, Any] | None:
+    if scenario is None:
+        return None
+    result = scenario["results"]["workloads"].get(name)
+    return None if not result or "skipped" in result else result
+
+
+def _seq_target(label: str, scenario: dict[str, Any] | None, check: Callable[[float, float | None], bool],
+                local: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One row covering the 1-thread and the 4-thread sequential read; met only if both are.
+
+    `check(mb_per_s, local_mb_per_s)` decides one of them.
+    """
+    parts: list[str] = []
+    verdicts: list[bool] = []
+    for name, threads in (("seq1", "1 thread"), ("seq4", "4 threads")):
+        result = _workload(scenario, name)
+        if result is None:
+            continue
+        mb_per_s = result["mb_per_s"]
+        local_result = _workload(local, name)
+        local_mb_per_s = local_result["mb_per_s"] if local_result else None
+        share = f" = {100 * mb_per_s / local_mb_per_s:.0f} % of local" if local_mb_per_s else ""
+        parts.append(f"{threads}: {mb_per_s:,.0f} MB/s{share}")
+        verdicts.append(check(mb_per_s, local_mb_per_s))
+    return {"target": label, "measured": "; ".join(parts) or "not measured", "met": all(verdicts) if verdicts else None}
+
+
+def _warm_check(mb_per_s: float, local_mb_per_s: float | None) -> bool:
+    return local_mb_per_s is not None and mb_per_s >= 0.9 * local_mb_per_s and mb_per_s >= 1300
+
+
+def evaluate(scenarios: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per target: what it asks, what was measured, whether it was met (None: not measured)."""
+    local = _find(scenarios, "local", None, "")
+    capped_cold = _find(scenarios, "cachefs", "capped", "cold")
+    capped_warm = _find(scenarios, "cachefs", "capped", "warm")
+    uncapped_cold = _find(scenarios, "cachefs", "uncapped", "cold")
+    rows = [
+        _seq_target(f"cold sequential at 60 ms / 1 Gbit/s >= 90 % of link rate ({0.9 * LINK_MB_PER_S:.1f} MB/s)",
+                    capped_cold, lambda mb, _local: mb >= 0.9 * LINK_MB_PER_S),
+        _seq_target("cold sequential at 60 ms uncapped >= 500 MB/s", uncapped_cold, lambda mb, _local: mb >= 500),
+        _seq_target("warm sequential (60 ms / 1 Gbit/s run) >= 90 % of local and >= 1.3 GB/s", capped_warm,
+                    _warm_check, local),
+    ]
+    rand = _workload(capped_warm, "rand4k")
+    rows.append({"target": "warm random 4 KiB pread p99 < 1 ms",
+                 "measured": f"p99 {rand['p99_ms']:.3f} ms (p50 {rand['p50_ms']:.3f} ms)" if rand else "not measured",
+                 "met": rand["p99_ms"] < 1.0 if rand else None})
+    walk = _workload(capped_cold, "walk")
+    if walk and walk["files"]:
+        scaled_s = walk["wall_s"] * WALK_FILES_TARGET / walk["files"]
+        measured = f"{walk['files']:,} files in {walk['wall_s']:.2f} s"
+        if walk["files"] != WALK_FILES_TARGET:
+            measured += f" (= {scaled_s:.2f} s scaled to {WALK_FILES_TARGET:,})"
+        rows.append({"target": "small files: cold walk of 20,000 files < 2 s", "measured": measured,
+                     "met": scaled_s < 2.0})
+    else:
+        rows.append({"target": "small files: cold walk of 20,000 files < 2 s", "measured": "not measured", "met": None})
+    rows.append(_loader_target(local, capped_warm))
+    return rows
+
+
+def _loader_target(local: dict[str, Any] | None, warm: dict[str, Any] | None) -> dict[str, Any]:
+    """Warm epoch 1 (fresh mount, page cache dropped) against local epoch 1 (page cache dropped)."""
+    label = "loader warm >= 98 % of local samples/s"
+    local_loader, warm_loader = _workload(local, "loader"), _workload(warm, "loader")
+    if not local_loader or not warm_loader or not local_loader["epochs"] or not warm_loader["epochs"]:
+        return {"target": label, "measured": "not measured", "met": None}
+    local_rate = local_loader["epochs"][0]["samples_per_s"]
+    warm_rate = warm_loader["epochs"][0]["samples_per_s"]
+    share = warm_rate / local_rate if local_rate else 0.0
+    return {"target": label,
+            "measured": f"{warm_rate:,.0f} vs {local_rate:,.0f} samples/s = {100 * share:.1f} %",
+            "met": share >= 0.98}

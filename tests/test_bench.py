@@ -1,0 +1,321 @@
+"""The benchmark's own correctness: workloads read what is there, the loader reads the right bytes,
+the WAN emulator delays and caps, the static server serves ranges. Fast: small files, loopback only."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hub_helpers import hub_env
+from mount_helpers import SpokeMount
+
+from cachefs.bench import cli as bench_cli
+from cachefs.bench import report, targets
+from cachefs.bench.harness import bytes_read, warm_caps
+from cachefs.bench.loader import SAMPLE_BYTES, LoaderConfig, run_loader
+from cachefs.bench.workloads import find_dataset, random_pread, sequential_read, small_read_all, tree_walk
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+@pytest.fixture(scope="module")
+def local_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """8 shards of odd sizes (not multiples of a sample) and 3 x 5 small files."""
+    root = tmp_path_factory.mktemp("bench") / "data"
+    (root / "shards").mkdir(parents=True)
+    for index in range(8):
+        (root / "shards" / f"train-{index:05d}.bin").write_bytes(os.urandom(MiB + index * 4097 + 5))
+    for directory in range(3):
+        (root / "small" / f"d{directory}").mkdir(parents=True)
+        for index in range(5):
+            (root / "small" / f"d{directory}" / f"f{index}").write_bytes(os.urandom(1 + index * 10 * KiB))
+    return root
+
+
+def expected_digest(paths: list[Path]) -> tuple[int, int]:
+    """(samples, sum of crc32 of every whole 16 KiB window) of `paths`, read directly."""
+    samples = digest = 0
+    for path in paths:
+        data = path.read_bytes()
+        for offset in range(0, len(data) - SAMPLE_BYTES + 1, SAMPLE_BYTES):
+            digest += zlib.crc32(data[offset : offset + SAMPLE_BYTES])
+            samples += 1
+    return samples, digest % (1 << 64)
+
+
+# -- workloads on a local directory ----------------------------------------------------------
+
+
+def test_dataset_layout_and_fallback(local_dataset: Path, tmp_path: Path) -> None:
+    dataset = find_dataset(local_dataset)
+    assert len(dataset.large) == 8 and len(dataset.small) == 15
+    groups = [dataset.large_group(name) for name in ("seq1", "seq4", "random", "loader")]
+    assert sorted(entry.path for group in groups for entry in group) == sorted(entry.path for entry in dataset.large)
+    # Without the layout: files of at least 8 MiB are large, the rest small.
+    (tmp_path / "big.bin").write_bytes(b"")
+    os.truncate(tmp_path / "big.bin", 8 * MiB)
+    (tmp_path / "nested").mkdir()
+    (tmp_path / "nested" / "little").write_bytes(b"x")
+    other = find_dataset(tmp_path)
+    assert [Path(entry.path).name for entry in other.large] == ["big.bin"]
+    assert [Path(entry.path).name for entry in other.small] == ["little"]
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_sequential_reads_every_byte(local_dataset: Path, threads: int) -> None:
+    files = find_dataset(local_dataset).large
+    result = sequential_read(files, threads, time_limit_s=30)
+    assert result.complete and result.errors == 0
+    assert result.bytes_read == sum(entry.size_bytes for entry in files)
+    assert result.wall_s > 0 and result.mb_per_s > 0
+
+
+@pytest.mark.parametrize("read_bytes", [4 * KiB, 16 * KiB])
+def test_random_pread_latencies(local_dataset: Path, read_bytes: int) -> None:
+    result = random_pread(find_dataset(local_dataset).large, read_bytes, count=200, time_limit_s=30, seed=3)
+    assert result.complete and result.reads == 200 and result.errors == 0
+    assert result.bytes_read == 200 * read_bytes  # aligned offsets: never a short read
+    assert 0 < result.p50_ms <= result.p99_ms <= result.max_ms
+
+
+def test_walk_and_small_files(local_dataset: Path) -> None:
+    dataset = find_dataset(local_dataset)
+    walk = tree_walk(dataset.small_root, time_limit_s=30)
+    assert walk.complete and walk.files == 15 and walk.entries == 15 + 3
+    small = small_read_all(dataset.small, threads=4, time_limit_s=30)
+    assert small.complete and small.files == 15
+    assert small.bytes_read == sum(entry.size_bytes for entry in dataset.small)
+    capped = small_read_all(dataset.small, threads=4, time_limit_s=30, max_files=4)
+    assert capped.files == 4
+
+
+def test_loader_reads_the_bytes_in_the_files(local_dataset: Path) -> None:
+    files = find_dataset(local_dataset).large[:3]
+    config = LoaderConfig(workers=2, batch_size=8, compute_s=0.002, samples_per_epoch=0, epochs=2,
+                          sample_interval_s=0.05)
+    result = run_loader(files, config)
+    samples, digest = expected_digest([Path(entry.path) for entry in files])
+    assert [epoch.samples for epoch in result.epochs] == [samples, samples]
+    for epoch in result.epochs:
+        assert epoch.complete and epoch.errors == 0
+        assert epoch.digest == digest
+        assert epoch.bytes_read == samples * SAMPLE_BYTES
+        assert 0 < epoch.busy_pct <= 100 and epoch.samples_per_s > 0
+        assert epoch.compute_s >= (samples // 8) * 0.002
+    assert result.timeline and result.timeline[-1]["epoch"] == 2
+
+
+def test_loader_subset_is_the_same_every_epoch(local_dataset: Path) -> None:
+    config = LoaderConfig(workers=2, batch_size=4, compute_s=0.0, samples_per_epoch=10, epochs=2)
+    result = run_loader(find_dataset(local_dataset).large, config)
+    assert [epoch.samples for epoch in result.epochs] == [10, 10]
+    assert result.epochs[0].digest == result.epochs[1].digest
+
+
+def test_cli_writes_json_and_a_table(local_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    status = bench_cli.main([str(local_dataset), "--quick", "--json", str(out), "--random-reads", "50",
+                             "--loader-samples", "64", "--loader-compute-ms", "1", "--loader-workers", "2"])
+    assert status == 0
+    results = json.loads(out.read_text())
+    assert set(results["workloads"]) == set(bench_cli.WORKLOADS)
+    assert results["stats_before"] is None  # not a cachefs mount
+    assert bytes_read(results) > 0
+    table = capsys.readouterr().out
+    assert "sequential, 4 threads" in table and "loader epoch 2" in table
+    assert bench_cli.main([str(local_dataset), "--workloads", "seq1,nope"]) == 2
+
+
+# -- on a real spoke -----------------------------------------------------------------------------
+
+
+def test_cli_on_a_spoke_samples_its_counters(spoke: SpokeMount, dataset: Path, tmp_path: Path) -> None:
+    out = tmp_path / "spoke.json"
+    status = bench_cli.main([str(spoke.mountpoint), "--quick", "--json", str(out), "--workloads", "seq1,walk,loader",
+                             "--loader-samples", "0", "--loader-compute-ms", "1", "--loader-workers", "2"])
+    assert status == 0
+    results = json.loads(out.read_text())
+    seq1 = results["workloads"]["seq1"]
+    group = find_dataset(dataset).large_group("seq1")
+    assert seq1["bytes_read"] == sum(entry.size_bytes for entry in group)
+    loader = results["workloads"]["loader"]
+    source = find_dataset(dataset).large_group("loader")
+    samples, digest = expected_digest([Path(entry.path) for entry in source])
+    assert [epoch["digest"] for epoch in loader["epochs"]] == [digest, digest]
+    assert [epoch["samples"] for epoch in loader["epochs"]] == [samples, samples]
+    assert results["stats_after"]["fetched_bytes"] > results["stats_before"]["fetched_bytes"]
+    assert any(point["hit_ratio_pct"] is not None for point in loader["timeline"])
+
+
+# -- the WAN emulator -----------------------------------------------------------------------------
+
+
+class _Target:
+    """A loopback TCP server: `echo\\n` echoes, `send N\\n` answers N bytes and closes."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _handle(conn: socket.socket) -> None:
+        with conn:
+            line = b""
+            while not line.endswith(b"\n") and (byte := conn.recv(1)):  # unbuffered: leave the rest in the socket
+                line += byte
+            command = line.split()
+            if command == [b"echo"]:
+                while data := conn.recv(65536):
+                    conn.sendall(data)
+            elif command and command[0] == b"send":
+                conn.sendall(b"\0" * int(command[1]))
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.fixture
+def wan_target() -> Iterator[_Target]:
+    target = _Target()
+    yield target
+    target.close()
+
+
+def start_wan(target_port: int, delay_ms: float, rate_mbit: float | None = None) -> tuple[subprocess.Popen[str], int]:
+    argv = [sys.executable, "-m", "cachefs.bench.wan", "--target", f"127.0.0.1:{target_port}",
+            "--delay-ms", str(delay_ms), *(["--rate-mbit", str(rate_mbit)] if rate_mbit else [])]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                            text=True, env=hub_env())
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("wan listening on http://127.0.0.1:"), line
+    return proc, int(line.rsplit(":", 1)[1])
+
+
+def stop_wan(proc: subprocess.Popen[str]) -> str:
+    """SIGTERM; returns what it printed after the listening line (its summary)."""
+    proc.terminate()
+    out, _ = proc.communicate(timeout=10)
+    return out
+
+
+def test_wan_adds_the_delay_both_ways(wan_target: _Target) -> None:
+    delay_ms = 50
+    proc, port = start_wan(wan_target.port, delay_ms)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            conn.sendall(b"echo\n")
+            round_trips_s = []
+            for _ in range(3):
+                began = time.monotonic()
+                conn.sendall(b"x")
+                assert conn.recv(1) == b"x"
+                round_trips_s.append(time.monotonic() - began)
+    finally:
+        summary = stop_wan(proc)
+    assert min(round_trips_s) >= 2 * delay_ms / 1000
+    assert min(round_trips_s) < 2.0  # generous: a loaded machine adds, it never subtracts
+    assert "wan carried 3 bytes downstream" in summary
+
+
+def test_wan_caps_the_rate(wan_target: _Target) -> None:
+    size_bytes, rate_mbit = 1_000_000, 8.0  # 1 MB at 1 MB/s: one second
+    expected_s = size_bytes / (rate_mbit * 1e6 / 8)
+    proc, port = start_wan(wan_target.port, delay_ms=5, rate_mbit=rate_mbit)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+            conn.sendall(f"send {size_bytes}\n".encode())
+            began = time.monotonic()
+            received = 0
+            while chunk := conn.recv(1 << 20):
+                received += len(chunk)
+            elapsed_s = time.monotonic() - began
+    finally:
+        summary = stop_wan(proc)
+    assert received == size_bytes
+    assert 0.8 * expected_s <= elapsed_s <= 3 * expected_s + 1.0
+    assert f"wan carried {size_bytes} bytes downstream" in summary
+
+
+# -- the static server for the peers ---------------------------------------------------------------
+
+
+def test_static_server_index_and_ranges(local_dataset: Path) -> None:
+    argv = [sys.executable, "-m", "cachefs.bench.static_server", "--root", str(local_dataset)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=hub_env())
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().split()[-1]
+        index = urllib.request.urlopen(url + "/shards/", timeout=10).read().decode()
+        assert 'href="train-00000.bin"' in index
+        shard = local_dataset / "shards" / "train-00001.bin"
+        request = urllib.request.Request(url + "/shards/train-00001.bin", headers={"Range": "bytes=10-19"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 206 and response.headers["Accept-Ranges"] == "bytes"
+            assert response.read() == shard.read_bytes()[10:20]
+        past_end = urllib.request.Request(url + "/shards/train-00001.bin",
+                                          headers={"Range": f"bytes={shard.stat().st_size}-"})
+        with pytest.raises(urllib.error.HTTPError) as error:
+            urllib.request.urlopen(past_end, timeout=10)
+        assert error.value.code == 416 and error.value.read()  # a body: httpdirfs needs one
+        with pytest.raises(urllib.error.HTTPError) as error:
+            urllib.request.urlopen(url + "/%2e%2e/%2e%2e/etc/passwd", timeout=10)
+        assert error.value.code == 404
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+# -- reporting ------------------------------------------------------------------------------------
+
+
+def _scenario(system: str, link: str | None, state: str, seq_mb_per_s: float, p99_ms: float,
+              samples_per_s: float) -> dict:
+    workloads = {
+        "seq1": {"mb_per_s": seq_mb_per_s, "bytes_read": 1, "complete": True},
+        "seq4": {"mb_per_s": seq_mb_per_s, "bytes_read": 1, "complete": True},
+        "rand4k": {"p50_ms": p99_ms / 2, "p99_ms": p99_ms, "reads": 7, "bytes_read": 1, "complete": False},
+        "walk": {"wall_s": 0.1, "files": 2000, "entries": 2100, "complete": True},
+        "small": {"wall_s": 1.0, "mb_per_s": 100.0, "files": 5, "bytes_read": 1, "complete": False},
+        "loader": {"epochs": [{"samples_per_s": samples_per_s, "busy_pct": 90.0, "bytes_read": 1, "complete": True}]},
+    }
+    return {"name": f"{system} {link} {state}", "system": system, "link": link, "state": state,
+            "results": {"workloads": workloads}, "resources": {}}
+
+
+def test_targets_and_tables() -> None:
+    scenarios = [
+        _scenario("local", None, "", 2000, 0.1, 800),
+        _scenario("cachefs", "capped", "cold", 120, 70, 400),
+        _scenario("cachefs", "capped", "warm", 1900, 0.5, 790),
+        _scenario("cachefs", "uncapped", "cold", 300, 70, 400),
+        {"name": "httpdirfs", "system": "httpdirfs", "link": "capped", "state": "cold", "error": "boom"},
+    ]
+    rows = targets.evaluate(scenarios)
+    # capped cold 120 >= 112.5; uncapped 300 < 500; warm 1900 >= 0.9 x 2000; p99 0.5 ms; walk 0.1 s for 2,000
+    # files = 1 s for 20,000; loader 790 / 800 = 98.75 %.
+    assert [row["met"] for row in rows] == [True, False, True, True, True, True]
+    table = report.scenarios_table(scenarios)
+    assert "failed: boom" in table and "70 / 70*" not in table
+    assert warm_caps(scenarios[1]["results"]) == ["--small-files", "5"]  # the cold run read only 5
