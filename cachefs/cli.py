@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument("--cache-dir", required=True, type=Path, help="where cached blocks and metadata live (created 0700)")
     mount.add_argument("--cache-size", default="10G", help="upper bound for cached block bytes (default: 10G)")
     mount.add_argument("--block-size", default="1M", help="cache block size, a power of two from 64K to 64M (default: 1M)")
-    mount.add_argument("--max-connections", type=int, default=16, help="concurrent connections to the hub (default: 16)")
+    mount.add_argument("--max-connections", type=int, default=64, help="concurrent connections to the hub (default: 64)")
     mount.add_argument(
         "--readahead-blocks", type=int, default=64,
         help="largest read-ahead window of a sequential reader, in blocks; 0 disables read-ahead (default: 64)",
