@@ -48,6 +48,11 @@ class Admin:
         self._stats = stats
         self._forget_memory = forget_memory
         self._refresh: Callable[[], Awaitable[dict[str, Any]]] | None = None
+        self._sections: dict[str, Callable[[], dict[str, Any]]] = {}
+
+    def add_section(self, name: str, snapshot: Callable[[], dict[str, Any]]) -> None:
+        """Another component's numbers, under `name` in every stats snapshot (e.g. the planner's)."""
+        self._sections[name] = snapshot
 
     def on_refresh(self, refresh: Callable[[], Awaitable[dict[str, Any]]]) -> None:
         self._refresh = refresh
@@ -101,6 +106,8 @@ class Admin:
             "pinned_bytes": self._cache.pinned_bytes(),
             **self._stats.as_dict(),
         }
+        for name, section in self._sections.items():
+            result[name] = section()
         if detailed:
             result["usage_by_top_level_bytes"] = self._usage_by_top_level()
         return result
@@ -193,6 +200,7 @@ class _WarmJob:
         self.fetched_bytes = 0
         self.files_done = 0
         self.failed_files = 0
+        self._fetched_keys: set[BlockKey] = set()
 
     async def run(self, scope: trio.CancelScope) -> None:
         try:
@@ -200,6 +208,8 @@ class _WarmJob:
                 for inode in self.files:
                     await self._slots.acquire()  # bounds the tasks, not only the requests
                     nursery.start_soon(self._warm_file, inode)
+            # Done means on disk: wait for the cache writer to commit what was fetched.
+            await self._admin._fetcher.written(self._fetched_keys)
         finally:
             self.finished.set()
 
@@ -240,7 +250,9 @@ class _WarmJob:
                 continue
             if pending:
                 lengths = [length for _key, _start, length in pending]
-                fetched = await fetcher.prefetch([k for k, _s, _l in pending], pending[0][1], lengths, force_admission=True)
+                keys = [k for k, _s, _l in pending]
+                self._fetched_keys.update(keys)
+                fetched = await fetcher.prefetch(keys, pending[0][1], lengths, force_admission=True)
                 ok &= fetched
                 if fetched:
                     self.fetched_bytes += sum(lengths)

@@ -188,10 +188,49 @@ def _stats(args: argparse.Namespace) -> int:
     ]
     for name, used in sorted(stats.get("usage_by_top_level_bytes", {}).items()):
         rows.append((f"  {name}/", format_size(used)))
+    training = stats.get("training")
+    if training is not None:
+        rows.extend(_training_rows(stats, training))
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
+    if training is not None and training["epochs"]:
+        print()
+        _print_epochs(training["epochs"])
     return 0
+
+
+def _training_rows(stats: dict[str, Any], training: dict[str, Any]) -> list[tuple[str, str]]:
+    stalled = stats.get("stalled_blocks", 0)
+    stall = f"{stats['stall_seconds']:.1f} s waiting on the network in {stalled} block reads"
+    if stalled:
+        stall += f", {1000 * stats['stall_seconds'] / stalled:.1f} ms per stalled block"
+    warm = training["time_to_warm_s"]
+    plans = training["plans"]
+    epochs = ", ".join(sorted({str(plan["epoch"]) for plan in plans}))
+    rows = [
+        ("reader stalls", stall),
+        ("time to warm", f"{warm:.1f} s" if warm is not None else "not warm (hit ratio not steadily >= 95 %)"),
+        ("plans", f"{len(plans)} active" + (f" (epoch {epochs})" if plans else "")),
+        ("plan prefetch", f"{stats.get('plan_prefetch_blocks', 0)} blocks, "
+                          f"{stats.get('plan_prefetch_used_blocks', 0)} used, "
+                          f"{stats.get('plan_prefetch_wasted_blocks', 0)} wasted; "
+                          f"lookahead {training['lookahead_blocks']} blocks"),
+    ]
+    for plan in plans:
+        rows.append((f"  plan {plan['plan']}", f"epoch {plan['epoch']}: {plan['position']} of {plan['blocks']} "
+                                               f"block uses, {plan['prefetched_blocks']} prefetched"))
+    return rows
+
+
+def _print_epochs(epochs: list[dict[str, Any]]) -> None:
+    print(f"{'epoch':>6} {'time':>9} {'hit ratio':>9} {'stall':>9} {'fetched':>11} {'read':>11} {'warm after':>10}")
+    for epoch in epochs:
+        ratio = f"{100 * epoch['hit_ratio']:.1f} %" if epoch["hit_ratio"] is not None else "n/a"
+        warm = f"{epoch['time_to_warm_s']:.1f} s" if epoch["time_to_warm_s"] is not None else "-"
+        print(f"{epoch['epoch']:>6} {epoch['duration_s']:>7.1f} s {ratio:>9} {epoch['stall_seconds']:>7.1f} s "
+              f"{format_size(epoch['fetched_bytes']):>11} {format_size(epoch['read_bytes']):>11} {warm:>10}"
+              + ("  (current)" if epoch["current"] else ""))
 
 
 class _ProgressPrinter:

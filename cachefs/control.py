@@ -11,6 +11,9 @@ JSON both ways:
 
 Closing the connection cancels the command (a warm-up stops; what it
 fetched stays cached, so running it again resumes).
+
+Streaming commands (`plan`, see planner.py) go on sending lines after the
+request line; their handlers get the rest of the connection as `Lines`.
 """
 
 from __future__ import annotations
@@ -37,14 +40,45 @@ Progress = Callable[[dict[str, Any]], Awaitable[None]]
 Handler = Callable[[dict[str, Any], Progress], Awaitable[dict[str, Any]]]
 
 
+class Lines:
+    """The rest of a connection after the request line, read line by line."""
+
+    def __init__(self, stream: trio.SocketStream, buffered: bytes) -> None:
+        self._stream = stream
+        self._buffer = bytearray(buffered)
+
+    async def receive_line(self, max_bytes: int = MAX_REQUEST_BYTES) -> bytes | None:
+        """The next line without its newline; None when the client closed the connection."""
+        while True:
+            end = self._buffer.find(b"\n")
+            if end >= 0:
+                line = bytes(self._buffer[:end])
+                del self._buffer[: end + 1]
+                return line
+            if len(self._buffer) > max_bytes:
+                raise CachefsError(f"line longer than {max_bytes} bytes")
+            try:
+                chunk = await self._stream.receive_some(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                chunk = b""
+            if not chunk:
+                return None
+            self._buffer += chunk
+
+
+StreamHandler = Callable[[dict[str, Any], Progress, Lines], Awaitable[dict[str, Any]]]
+
+
 class ControlServer:
     """Serves operator commands with the handlers it is given."""
 
-    def __init__(self, handlers: dict[str, Handler]) -> None:
+    def __init__(self, handlers: dict[str, Handler], stream_handlers: dict[str, StreamHandler] | None = None) -> None:
         self._handlers = handlers
+        self._stream_handlers = stream_handlers or {}
 
     async def serve(self, path: Path, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        path.unlink(missing_ok=True)
+        # Path operations on a local socket file: instant, at start and stop only.
+        path.unlink(missing_ok=True)  # noqa: ASYNC240
         sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         await sock.bind(str(path))
         os.chmod(path, 0o600)
@@ -54,7 +88,7 @@ class ControlServer:
         try:
             await trio.serve_listeners(self._handle, [listener])
         finally:
-            path.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)  # noqa: ASYNC240
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         async with stream:
@@ -62,11 +96,18 @@ class ControlServer:
                 await _send(stream, {"ok": False, "error": "permission denied: only root or the daemon's owner"})
                 return
             try:
-                request = await _receive_request(stream)
-                handler = self._handlers.get(str(request.get("command")))
-                if handler is None:
+                request, rest = await _receive_request(stream)
+
+                async def progress(report: dict[str, Any]) -> None:
+                    await _send(stream, {"progress": report})
+
+                command = str(request.get("command"))
+                if command in self._stream_handlers:
+                    result = await self._stream_handlers[command](request, progress, Lines(stream, rest))
+                elif command in self._handlers:
+                    result = await self._handlers[command](request, progress)
+                else:
                     raise CachefsError(f"unknown command {request.get('command')!r}")
-                result = await handler(request, lambda progress: _send(stream, {"progress": progress}))
                 reply: dict[str, Any] = {"ok": True, "result": result}
             except CachefsError as exc:
                 reply = {"ok": False, "error": str(exc)}
@@ -88,7 +129,8 @@ def _peer_allowed(sock: trio.socket.SocketType) -> bool:
     return uid in (0, os.getuid())
 
 
-async def _receive_request(stream: trio.SocketStream) -> dict[str, Any]:
+async def _receive_request(stream: trio.SocketStream) -> tuple[dict[str, Any], bytes]:
+    """The request line, and what the client sent after it."""
     data = b""
     with trio.fail_after(10):
         while b"\n" not in data:
@@ -98,13 +140,14 @@ async def _receive_request(stream: trio.SocketStream) -> dict[str, Any]:
             data += chunk
             if len(data) > MAX_REQUEST_BYTES:
                 raise CachefsError("request too large")
+    line, _newline, rest = data.partition(b"\n")
     try:
-        request = json.loads(data.split(b"\n", 1)[0])
+        request = json.loads(line)
     except ValueError:
         raise CachefsError("malformed request") from None
     if not isinstance(request, dict):
         raise CachefsError("malformed request")
-    return request
+    return request, rest
 
 
 async def _send(stream: trio.SocketStream, message: dict[str, Any]) -> None:

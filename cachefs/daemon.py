@@ -16,8 +16,8 @@ import signal
 import socket
 import ssl
 from collections.abc import Callable
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pyfuse3
 import trio
@@ -32,11 +32,12 @@ from .errors import CacheDirInUse, CachefsError, UsageError
 from .fetcher import Fetcher
 from .fs import CachefsOperations
 from .hub_client import HubClient
-from .metrics import Stats, serve_metrics
+from .metrics import Stats, serve_metrics, training_gauges
 from .mountpoints import find_mount
 from .namespace import Namespace, NamespaceChanges
-from .snapshots import Snapshots
+from .planner import Planner
 from .reader import Reader
+from .snapshots import Snapshots
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +156,22 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
                 sibling_prefetch_files=config.sibling_prefetch_files,
                 nursery=nursery,
             )
+            planner = Planner(namespace, cache, fetcher, stats, block_size=config.block_size_bytes,
+                              cache_dir=config.cache_dir)
+            await nursery.start(planner.run)
+            reader.on_block = planner.observe
+            reader.planned = planner.covers
+            cache.advisor = planner
             admin = Admin(config, namespace, cache, fetcher, stats, reader.forget_memory)
-            admin.on_refresh(lambda: snapshots.refresh(cache, _invalidate_kernel_caches))
+            admin.add_section("training", planner.snapshot)
+
+            async def refresh() -> dict[str, Any]:
+                result = await snapshots.refresh(cache, _invalidate_kernel_caches)
+                if result.get("changed"):
+                    planner.cancel_all("the mount moved to a new snapshot")
+                return result
+
+            admin.on_refresh(refresh)
             operations = CachefsOperations(
                 namespace,
                 reader,
@@ -166,9 +181,10 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
                 attr_timeout_s=config.attr_timeout_s,
                 stats_json=lambda: {"pid": os.getpid(), **admin.snapshot()},
             )
-            await nursery.start(ControlServer(admin.handlers()).serve, config.cache_dir / SOCKET_NAME)
+            control = ControlServer(admin.handlers(), {"plan": planner.handle_plan})
+            await nursery.start(control.serve, config.cache_dir / SOCKET_NAME)
             if config.metrics_listen is not None:
-                _serve_metrics(config, stats, cache, fetcher)
+                _serve_metrics(config, stats, cache, fetcher, planner)
             _init_fuse(operations, config)
             mounted = True
             nursery.start_soon(_terminate_on_signal)
@@ -222,7 +238,7 @@ def _ssl_context(config: MountConfig) -> ssl.SSLContext | None:
     return context
 
 
-def _serve_metrics(config: MountConfig, stats: Stats, cache: BlockCache, fetcher: Fetcher) -> None:
+def _serve_metrics(config: MountConfig, stats: Stats, cache: BlockCache, fetcher: Fetcher, planner: Planner) -> None:
     assert config.metrics_listen is not None
     try:
         serve_metrics(config.metrics_listen, stats, lambda: {
@@ -231,6 +247,7 @@ def _serve_metrics(config: MountConfig, stats: Stats, cache: BlockCache, fetcher
             "cachefs_cache_pinned_bytes": cache.pinned_bytes(),
             "cachefs_cache_blocks": cache.block_count(),
             "cachefs_fetches_in_flight": fetcher.requests_in_flight,
+            **training_gauges(planner.snapshot(judge=False)),
         })
     except OSError as exc:
         host, port = config.metrics_listen
@@ -290,10 +307,10 @@ async def _raise_kernel_readahead(config: MountConfig, operations: CachefsOperat
         await trio.sleep(0.01)
         if not operations.initialized:
             continue
-        try:
-            if path.read_text().strip() == wanted:
+        try:  # sysfs: instant, never blocks on I/O
+            if path.read_text().strip() == wanted:  # noqa: ASYNC240
                 return
-            path.write_text(wanted)
+            path.write_text(wanted)  # noqa: ASYNC240
         except OSError as exc:
             log.info("cannot raise kernel readahead via %s: %s", path, exc)
             return

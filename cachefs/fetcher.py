@@ -81,6 +81,7 @@ class Fetcher:
         self._fetch_timeout_s = fetch_timeout_s
         self._flights: dict[BlockKey, _Flight] = {}
         self._discarded: set[BlockKey] = set()
+        self._batch_written = trio.Event()  # set (and replaced) after each committed batch
         self.requests_in_flight = 0
         # Blocks fetched by read-ahead and not read yet, to count how many are
         # used (bounded: the oldest are forgotten).
@@ -104,7 +105,14 @@ class Fetcher:
         return await flight.result()
 
     async def prefetch(
-        self, keys: Sequence[BlockKey], start: int, lengths: Sequence[int], *, force_admission: bool = False
+        self,
+        keys: Sequence[BlockKey],
+        start: int,
+        lengths: Sequence[int],
+        *,
+        force_admission: bool = False,
+        count_readahead: bool = True,
+        on_fetched: Callable[[BlockKey, BlockData], None] | None = None,
     ) -> bool:
         """Fetch contiguous blocks with one request, at read-ahead priority; False if it failed.
 
@@ -113,24 +121,40 @@ class Fetcher:
         cached or in flight. Failures settle the flights (a reader
         then retries on demand) and are not raised. `force_admission` (for
         operator warm-ups) caches the blocks even where the admission policy
-        would prefer what the cache holds.
+        would prefer what the cache holds. Without `count_readahead` (plan
+        prefetch, which counts its own), readers' use is not counted as
+        read-ahead used. `on_fetched` gets each block's bytes as they arrive,
+        before the cache writer sees them (the planner holds them for readers).
         """
         flights = []
         for key in keys:
             if key in self._flights:
                 raise ValueError(f"{key} is already in flight")
             flights.append(self._flights.setdefault(key, _Flight()))
-            self.prefetched[key] = None
+            if count_readahead:
+                self.prefetched[key] = None
         while len(self.prefetched) > PREFETCHED_REMEMBERED:
             self.prefetched.popitem(last=False)
-        return await self._run(list(keys), flights, start, list(lengths), force_admission)
+        return await self._run(list(keys), flights, start, list(lengths), force_admission, on_fetched)
+
+    async def written(self, keys: set[BlockKey], timeout_s: float = 60.0) -> None:
+        """Wait (bounded) until none of these blocks is still on its way to the cache."""
+        with trio.move_on_after(timeout_s):
+            while any(key in self._flights for key in keys):
+                await self._batch_written.wait()
 
     def discard_pending(self, predicate: Callable[[BlockKey], bool]) -> None:
         """Blocks in flight that match are not written to the cache (evict, purge)."""
         self._discarded.update(key for key in self._flights if predicate(key))
 
     async def _run(
-        self, keys: list[BlockKey], flights: list[_Flight], start: int, lengths: list[int], force_admission: bool = False
+        self,
+        keys: list[BlockKey],
+        flights: list[_Flight],
+        start: int,
+        lengths: list[int],
+        force_admission: bool = False,
+        on_fetched: Callable[[BlockKey, BlockData], None] | None = None,
     ) -> bool:
         """Fetch keys[0..n] (contiguous, starting at `start`) and settle their flights; False on failure."""
         try:
@@ -144,6 +168,8 @@ class Fetcher:
         for key, flight, data in zip(keys, flights, pieces, strict=True):
             flight.data = data
             flight.done.set()
+            if on_fetched is not None:
+                on_fetched(key, data)
             await self._write_send.send((key, data, force_admission))
         return True
 
@@ -173,6 +199,8 @@ class Fetcher:
                     for key, _data, _force in batch:
                         self._flights.pop(key, None)
                         self._discarded.discard(key)
+                    self._batch_written.set()
+                    self._batch_written = trio.Event()
 
     async def _verified_range(self, key: BlockKey, start: int, lengths: list[int]) -> list[bytearray]:
         """One attempt: the data and the hub's checksums of it, requested side by side."""

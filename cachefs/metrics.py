@@ -29,6 +29,11 @@ FETCH_DURATION = Histogram(
     "cachefs_fetch_duration_seconds", "Time of one successful ranged request to the hub",
     buckets=_LATENCY_BUCKETS, registry=REGISTRY,
 )
+STALL_DURATION = Histogram(
+    "cachefs_read_stall_seconds",
+    "Time a read waited on the network for one block (its own fetch or one under way); local hits are not observed",
+    buckets=_LATENCY_BUCKETS, registry=REGISTRY,
+)
 
 
 @dataclasses.dataclass
@@ -39,7 +44,8 @@ class Stats:
     read_bytes: int = 0
     block_hits: int = 0  # blocks served from the local cache (disk or memory) or a fetch already under way
     block_misses: int = 0  # blocks a reader had to ask the hub for
-    stall_seconds: float = 0.0  # time readers waited on the hub (demand misses)
+    stall_seconds: float = 0.0  # time readers waited on the hub (their own fetches and fetches under way)
+    stalled_blocks: int = 0  # block reads that waited on the network
     fetches: int = 0  # ranged requests answered by the hub (demand + read-ahead + warm)
     fetched_bytes: int = 0  # bytes received from the hub: the WAN cost
     readahead_fetches: int = 0  # blocks asked for by read-ahead
@@ -51,6 +57,10 @@ class Stats:
     store_errors: int = 0
     evicted_blocks: int = 0
     rejected_blocks: int = 0  # fetched but not admitted to a full cache (less popular than what it holds)
+    plan_prefetch_blocks: int = 0  # blocks fetched ahead of readers along a loader's plan (planner.py)
+    plan_prefetch_used_blocks: int = 0  # of those, blocks read while the plan still expected them
+    plan_prefetch_wasted_blocks: int = 0  # of those, blocks not read before the plan moved past them or ended
+    plan_unplanned_blocks: int = 0  # block reads that matched no active plan while one was active
     hub_errors: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     fuse_errors: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
@@ -67,6 +77,7 @@ _COUNTERS = {  # Stats field -> (metric name without _total, help)
     "block_hits": ("cachefs_block_hits", "Blocks served locally"),
     "block_misses": ("cachefs_block_misses", "Blocks readers had to wait for the hub for"),
     "stall_seconds": ("cachefs_stall_seconds", "Time readers waited on the hub"),
+    "stalled_blocks": ("cachefs_stalled_blocks", "Block reads that waited on the network"),
     "fetches": ("cachefs_fetches", "Ranged requests answered by the hub"),
     "fetched_bytes": ("cachefs_fetched_bytes", "Bytes received from the hub (WAN cost)"),
     "readahead_fetches": ("cachefs_prefetch_blocks", "Blocks requested ahead of readers"),
@@ -78,7 +89,28 @@ _COUNTERS = {  # Stats field -> (metric name without _total, help)
     "store_errors": ("cachefs_store_errors", "Blocks that could not be written to the cache"),
     "evicted_blocks": ("cachefs_evicted_blocks", "Blocks evicted"),
     "rejected_blocks": ("cachefs_rejected_blocks", "Blocks not admitted to a full cache"),
+    "plan_prefetch_blocks": ("cachefs_plan_prefetch_blocks", "Blocks fetched ahead of readers along a plan"),
+    "plan_prefetch_used_blocks": ("cachefs_plan_prefetch_used_blocks", "Plan-prefetched blocks read as planned"),
+    "plan_prefetch_wasted_blocks": ("cachefs_plan_prefetch_wasted_blocks", "Plan-prefetched blocks never read"),
+    "plan_unplanned_blocks": ("cachefs_plan_unplanned_blocks", "Block reads no active plan expected"),
 }
+
+
+def training_gauges(training: dict[str, Any]) -> dict[str, float]:
+    """Gauges from the planner's snapshot (planner.Planner.snapshot): plans, lookahead, the current epoch."""
+    gauges = {
+        "cachefs_plans_active": training["plans_active"],
+        "cachefs_plan_lookahead_blocks": training["lookahead_blocks"],
+        "cachefs_time_to_warm_seconds": training["time_to_warm_s"] if training["time_to_warm_s"] is not None else -1,
+    }
+    epochs = training["epochs"]
+    if epochs:
+        current = epochs[-1]
+        gauges["cachefs_epoch"] = current["epoch"]
+        gauges["cachefs_epoch_hit_ratio"] = current["hit_ratio"] if current["hit_ratio"] is not None else 0.0
+        gauges["cachefs_epoch_stall_seconds"] = current["stall_seconds"]
+        gauges["cachefs_epoch_fetched_bytes"] = current["fetched_bytes"]
+    return gauges
 
 
 class SpokeCollector(Collector):

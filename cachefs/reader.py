@@ -17,12 +17,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import trio
 
 from .cache import BlockCache, BlockData, BlockKey
 from .fetcher import Fetcher
-from .metrics import Stats
+from .metrics import STALL_DURATION, Stats
 from .namespace import Inode, Namespace
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,13 @@ class Reader:
         self._sibling_prefetch_files = sibling_prefetch_files
         self._nursery = nursery
         self._disk_readers = trio.CapacityLimiter(DISK_READ_THREADS)
+        self._queued: set[BlockKey] = set()  # read-ahead asked for, not started yet
+        # Told of every block a reader asks for; may hand back its bytes (planner.py
+        # follows a loader's plan with it and holds blocks prefetched along it).
+        self.on_block: Callable[[BlockKey], BlockData | None] | None = None
+        # Whether a loader's plan covers a file: then the plan's prefetch, which
+        # knows what comes next, replaces this module's read-ahead guesses.
+        self.planned: Callable[[Inode], bool] | None = None
 
     def forget_memory(self) -> None:
         """Drop the in-memory blocks (after an evict or purge)."""
@@ -135,10 +143,22 @@ class Reader:
         key = BlockKey(inode.file_id, inode.version, blockno)
         self._cache.sketch.record(key)
         data = self._memory.get(key)
+        if self.on_block is not None:
+            planned = self.on_block(key)
+            if data is None and planned is not None:
+                data = planned
+                self._memory.put(key, data)
         if data is None:
             flight = self._fetcher.flight(key)
             if flight is not None:
-                data = await flight.result()  # being fetched or written: no second request
+                if flight.done.is_set():
+                    data = await flight.result()  # fetched, being written: no second request
+                else:
+                    started = trio.current_time()
+                    try:
+                        data = await flight.result()  # being fetched: wait for it, no second request
+                    finally:
+                        self._note_stall(trio.current_time() - started)
             elif self._cache.contains(key):
                 # Off the trio thread: a cold page cache makes this a disk read,
                 # and several of them in parallel keep the NVMe busy.
@@ -155,9 +175,14 @@ class Reader:
         try:
             data = await self._fetcher.fetch(key, blockno * self.block_size, self._block_length(inode, blockno))
         finally:
-            self._stats.stall_seconds += trio.current_time() - started
+            self._note_stall(trio.current_time() - started)
         self._memory.put(key, data)
         return data
+
+    def _note_stall(self, waited_s: float) -> None:
+        self._stats.stall_seconds += waited_s
+        self._stats.stalled_blocks += 1
+        STALL_DURATION.observe(waited_s)
 
     def _block_length(self, inode: Inode, blockno: int) -> int:
         return min(self.block_size, inode.size - blockno * self.block_size)
@@ -169,6 +194,8 @@ class Reader:
 
     def _read_ahead(self, handle: OpenFile, offset: int, end: int, last_block: int) -> None:
         """Track sequential access; keep the window of blocks ahead of `last_block` asked for."""
+        if self.planned is not None and self.planned(handle.inode):
+            return
         if offset == handle.next_offset:
             handle.sequential_reads += 1
         else:
@@ -189,8 +216,7 @@ class Reader:
         if target - start < max(1, handle.window_blocks // 2):
             return
         for run_start in range(start, target, COALESCE_BLOCKS):
-            run_stop = min(run_start + COALESCE_BLOCKS, target)
-            self._nursery.start_soon(self._prefetch_run, handle, run_start, run_stop)
+            self._start_prefetch(handle, run_start, min(run_start + COALESCE_BLOCKS, target))
         handle.prefetched_until = target
 
     def prefetch_siblings(self, inode: Inode) -> None:
@@ -199,29 +225,44 @@ class Reader:
             return
         for sibling in self._namespace.siblings_after(inode, self._sibling_prefetch_files):
             if sibling.is_file and 0 < sibling.size <= self.block_size:
-                self._nursery.start_soon(self._prefetch_run, OpenFile(sibling), 0, 1)
+                self._start_prefetch(OpenFile(sibling), 0, 1)
 
-    async def _prefetch_run(self, handle: OpenFile, first: int, stop: int) -> None:
+    def _start_prefetch(self, handle: OpenFile, first: int, stop: int) -> None:
+        """Queue read-ahead of blocks [first, stop), unless they are cached, in flight or queued.
+
+        The check comes before queueing: opening many small files in one
+        directory asks for the same siblings again and again.
+        """
+        keys = [BlockKey(handle.inode.file_id, handle.inode.version, b) for b in range(first, stop)]
+        if all(k in self._queued or self._fetcher.flight(k) is not None or self._cache.contains(k) for k in keys):
+            return
+        self._queued.update(keys)
+        self._nursery.start_soon(self._prefetch_run, handle, first, stop, keys)
+
+    async def _prefetch_run(self, handle: OpenFile, first: int, stop: int, queued: list[BlockKey]) -> None:
         """Fetch blocks [first, stop) of a file that are neither cached nor in flight."""
         inode = handle.inode
-        async with self._fetcher.prefetch_slots:
-            if handle.closed:
-                return
-            keys, lengths = [], []
-            for blockno in range(first, stop):
-                key = BlockKey(inode.file_id, inode.version, blockno)
-                if self._fetcher.flight(key) is not None or self._cache.index.get(key) is not None:
-                    if keys:
-                        break  # a run must stay contiguous
-                    first += 1
-                    continue
-                keys.append(key)
-                lengths.append(self._block_length(inode, blockno))
-            if not keys:
-                return
-            self._stats.readahead_fetches += len(keys)
-            if not await self._fetcher.prefetch(keys, first * self.block_size, lengths):
-                log.debug("read-ahead of %s failed", keys[0])
+        try:
+            async with self._fetcher.prefetch_slots:
+                if handle.closed:
+                    return
+                keys, lengths = [], []
+                for blockno in range(first, stop):
+                    key = BlockKey(inode.file_id, inode.version, blockno)
+                    if self._fetcher.flight(key) is not None or self._cache.contains(key):
+                        if keys:
+                            break  # a run must stay contiguous
+                        first += 1
+                        continue
+                    keys.append(key)
+                    lengths.append(self._block_length(inode, blockno))
+                if not keys:
+                    return
+                self._stats.readahead_fetches += len(keys)
+                if not await self._fetcher.prefetch(keys, first * self.block_size, lengths):
+                    log.debug("read-ahead of %s failed", keys[0])
+        finally:
+            self._queued.difference_update(queued)
 
 
 def _as_bytes(data: BlockData, start: int, stop: int) -> bytes:

@@ -8,6 +8,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,10 @@ def test_certificate_for_another_name_is_refused(dataset: Path, tmp_path: Path) 
 
 def test_cache_and_control_socket_are_private(spoke: SpokeMount) -> None:
     (spoke.mountpoint / "shards/shard-002.bin").read_bytes()
+    deadline = time.monotonic() + 20
+    while spoke.stats()["cached_blocks"] == 0:  # blocks are written just after they are served
+        assert time.monotonic() < deadline, "nothing was cached"
+        time.sleep(0.05)
     assert stat.S_IMODE(spoke.cache_dir.stat().st_mode) == 0o700
     assert stat.S_IMODE((spoke.cache_dir / "control.sock").stat().st_mode) == 0o600
     assert stat.S_IMODE((spoke.cache_dir / "cachefs.log").stat().st_mode) == 0o600

@@ -1,0 +1,819 @@
+"""Training-aware caching, daemon side: follow a loader's plan of reads, prefetch along it, evict by it.
+
+A loader knows the order in which it will read its samples. `cachefs.plan`
+(the client) sends that order for an epoch as (file, offset, length) reads
+over the control socket; here each read becomes the blocks it touches, one
+*entry* per block use, kept compactly (8 bytes an entry, spilled to
+`<cache-dir>/plans/` beyond `MEMORY_CHUNKS` chunks, so a plan larger than
+memory costs disk, not RAM).
+
+- **Position.** The reader calls `observe` for every block it serves. A
+  block matches its next unconsumed planned use within reach of the
+  frontier; the plan's *head* is the furthest use matched, its *tail* the
+  first use not yet consumed, and the tail never lags the head by more than
+  `trail` uses (uses served from the kernel's page cache never reach the
+  daemon; workers read out of order). Reads a plan does not expect are
+  counted and otherwise ignored, so a plan that lies costs at most one
+  lookahead window of wasted prefetch, also counted.
+- **Prefetch.** Blocks of the next `lookahead_blocks` uses after the head
+  that are neither cached nor in flight are fetched in runs of contiguous
+  blocks, holding the fetcher's `prefetch_slots` like read-ahead, so demand
+  misses always find a connection. Of those slots, only as many are used
+  as keep the link busy: twice the bandwidth-delay
+  product, from the shortest one-block fetch (the RTT) and the highest
+  delivery rate of the last `LINK_WINDOW_S`. More would only share the
+  link among more blocks and delay the one needed next. The lookahead
+  is sized from measurement:
+  the blocks readers consume during two fetch latencies (which hold the
+  link's RTT and transfer time) plus `LOOKAHEAD_MARGIN_S` of jitter, doubled for
+  a while whenever readers overtake the prefetch frontier, and bounded by
+  `LOOKAHEAD_MEMORY_BYTES`: prefetched blocks are held in memory until
+  their planned use, so blocks in flight plus blocks held stay within it.
+- **Eviction.** The cache asks `distance(key)`: planned uses until the
+  block's next use (infinite if none in any plan); for a block held for
+  its next use, the use after that one, since the held copy covers the
+  next. So prefetching never displaces a cached block that is needed
+  before the prefetched one is needed again, and the cache's contents
+  follow Belady's rule as if there were no prefetch. See
+  cache/plan_admission.py for the rule (over the plan's horizon).
+
+A plan lives as long as its control connection: closing it (or the
+process ending) cancels the plan, which stops its prefetch at once (runs
+still waiting for a connection are dropped; at most `prefetch_slots`
+requests finish). A plan whose every use was served ends by itself.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from .cache import BlockCache, BlockData, BlockKey
+from .cache.plan_admission import INFINITE
+from .control import Lines, Progress
+from .errors import CachefsError
+from .fetcher import Fetcher
+from .metrics import Stats
+from .namespace import Inode, Namespace
+from .reader import COALESCE_BLOCKS
+from .training_stats import TrainingStats
+
+log = logging.getLogger(__name__)
+
+PLANS_DIR = "plans"
+MAX_PLANS = 64
+# Plan lines carry up to a few thousand reads; a line that long is no plan.
+MAX_LINE_BYTES = 8 << 20
+# While a plan is being sent, the longest pause between two of its lines.
+LINE_TIMEOUT_S = 120.0
+CHUNK_ENTRIES = 1 << 16  # 512 KiB of entries
+MEMORY_CHUNKS = 8  # 512 K entries (4 MiB) per plan in memory; the rest waits on disk
+# Entries indexed ahead of the tail for next-use lookups, shared by all
+# plans: up to ~180 bytes each (when every use is of another block), so
+# 512 K entries cost 90 MiB at most. Beyond the horizon a block counts as
+# not used again.
+HORIZON_BUDGET_ENTRIES = 1 << 19
+MIN_HORIZON_ENTRIES = 4096
+# Lookahead bounds, in blocks. The initial value covers 60 ms of a 500 MB/s
+# link before anything is measured.
+MIN_LOOKAHEAD_BLOCKS = 8
+INITIAL_LOOKAHEAD_BLOCKS = 32
+MAX_LOOKAHEAD_BLOCKS = 4096
+# Memory budget of plan prefetch: bytes in flight plus bytes held for their
+# readers. 96 MiB is 2 x the bandwidth-delay product of 800 MB/s at 60 ms,
+# and keeps the daemon under its 200 MB memory target.
+LOOKAHEAD_MEMORY_BYTES = 96 << 20
+MAX_BOOST = 8.0
+# A read matches a planned use at most this far beyond the prefetch frontier.
+MATCH_SLACK_ENTRIES = 256
+MIN_TRAIL_ENTRIES = 256
+RECENT_BLOCKS = 16  # one sample's read split into several FUSE reads is one use
+TICK_S = 0.25
+RATE_SMOOTHING = 0.3  # weight of the newest tick in the rate averages
+# Consumption covered beyond two fetch latencies: a pause of the link or of
+# this process (GC, a busy CPU) must not reach the readers.
+LOOKAHEAD_MARGIN_S = 0.5
+INITIAL_LATENCY_S = 0.1
+# Bytes in flight before the link is measured: about the bandwidth-delay
+# product of 1 Gbit/s at 60 ms. More would share the link among more blocks
+# and delay the first batch, which a cold epoch waits for.
+INITIAL_INFLIGHT_BYTES = 8 << 20
+MIN_CONCURRENCY_BLOCKS = 2
+LINK_WINDOW_S = 10.0
+_BLOCK_BITS = 32
+
+
+class EntryStore:
+    """An append-only sequence of plan entries: chunks in memory, later chunks in a spill file."""
+
+    def __init__(self, spill_path: Path) -> None:
+        self._spill_path = spill_path
+        self._fd: int | None = None
+        self._memory: dict[int, array.array[int]] = {}
+        self._loaded: collections.OrderedDict[int, array.array[int]] = collections.OrderedDict()
+        self._current: array.array[int] = array.array("Q")
+        self.length = 0
+        self.spilled_chunks = 0
+
+    def append(self, value: int) -> None:
+        self._current.append(value)
+        self.length += 1
+        if len(self._current) == CHUNK_ENTRIES:
+            number = self.length // CHUNK_ENTRIES - 1
+            if len(self._memory) < MEMORY_CHUNKS:
+                self._memory[number] = self._current
+            else:
+                self._spill(number, self._current)
+            self._current = array.array("Q")
+
+    def entries(self, start: int, stop: int) -> Iterator[int]:
+        """Entries [start, stop) in order."""
+        index = start
+        while index < stop:
+            number, offset = divmod(index, CHUNK_ENTRIES)
+            chunk = self._chunk(number)
+            end = min(len(chunk), offset + stop - index)
+            yield from chunk[offset:end]
+            index += end - offset
+
+    def drop_before(self, index: int) -> None:
+        """Forget the chunks wholly before `index` (memory only; the spill file is sparse anyway)."""
+        for number in [n for n in self._memory if (n + 1) * CHUNK_ENTRIES <= index]:
+            del self._memory[number]
+        for number in [n for n in self._loaded if (n + 1) * CHUNK_ENTRIES <= index]:
+            del self._loaded[number]
+
+    def close(self) -> None:
+        self._memory.clear()
+        self._loaded.clear()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            self._spill_path.unlink(missing_ok=True)
+
+    def _chunk(self, number: int) -> array.array[int]:
+        if number == self.length // CHUNK_ENTRIES:
+            return self._current
+        chunk = self._memory.get(number) or self._loaded.get(number)
+        if chunk is None:
+            assert self._fd is not None
+            chunk = array.array("Q")
+            chunk.frombytes(os.pread(self._fd, CHUNK_ENTRIES * chunk.itemsize, number * CHUNK_ENTRIES * chunk.itemsize))
+            self._loaded[number] = chunk
+            while len(self._loaded) > 2:
+                self._loaded.popitem(last=False)
+        return chunk
+
+    def _spill(self, number: int, chunk: array.array[int]) -> None:
+        if self._fd is None:
+            self._spill_path.parent.mkdir(mode=0o700, exist_ok=True)
+            self._fd = os.open(self._spill_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.pwrite(self._fd, chunk.tobytes(), number * CHUNK_ENTRIES * chunk.itemsize)
+        self.spilled_chunks += 1
+
+
+class Plan:
+    """One loader's planned block uses and how far its readers have come.
+
+    Entries are `file index << 32 | block number`; the file table maps an
+    index to the snapshot's inode. Positions are absolute entry numbers;
+    the window arrays hold [base, horizon).
+    """
+
+    def __init__(self, plan_id: int, epoch: int, store: EntryStore, block_size: int) -> None:
+        self.id = plan_id
+        self.epoch = epoch
+        self.store = store
+        self.block_size = block_size
+        self.created_s = time.monotonic()
+        self.files: list[Inode] = []
+        self._file_index: dict[bytes, int] = {}  # file id + version -> index
+        self.reads = 0
+        self.complete = False  # the client sent all of it
+        self.cancelled = False
+        self.finished = trio.Event()
+        self.tail = self.head = self.issued = self.horizon = 0
+        self.trail = MIN_TRAIL_ENTRIES
+        self._base = 0
+        self._keys: array.array[int] = array.array("Q")
+        self._following: array.array[int] = array.array("q")
+        self._consumed = bytearray()
+        # Read from the cache writer's thread too: single dict reads, never iterated there.
+        self.next_use: dict[int, int] = {}
+        self._last_use: dict[int, int] = {}
+        self.released: collections.deque[int] = collections.deque(maxlen=1 << 16)
+        self.prefetched_blocks = self.used_blocks = self.wasted_blocks = self.matched_blocks = 0
+        self.reported_used = self.reported_wasted = 0  # already added to the mount's counters
+        self.skipped_uses = 0
+        self._last_appended = -1
+
+    # -- building -------------------------------------------------------------------
+
+    def add_file(self, inode: Inode) -> None:
+        self._file_index.setdefault(inode.file_id + inode.version, len(self.files))
+        self.files.append(inode)
+
+    def add_read(self, file_index: int, offset: int, length: int) -> None:
+        """One planned read (already validated): an entry per block, consecutive repeats merged."""
+        self.reads += 1
+        first, last = offset // self.block_size, (offset + length - 1) // self.block_size
+        for blockno in range(first, last + 1):
+            key = file_index << _BLOCK_BITS | blockno
+            if key != self._last_appended:
+                self.store.append(key)
+                self._last_appended = key
+
+    # -- keys -----------------------------------------------------------------------
+
+    def covers(self, inode: Inode) -> bool:
+        return inode.file_id + inode.version in self._file_index
+
+    def key_of(self, key: BlockKey) -> int | None:
+        index = self._file_index.get(key.file_id + key.version)
+        return None if index is None else index << _BLOCK_BITS | key.blockno
+
+    def block_key(self, key: int) -> BlockKey:
+        inode = self.files[key >> _BLOCK_BITS]
+        return BlockKey(inode.file_id, inode.version, key & ((1 << _BLOCK_BITS) - 1))
+
+    def block_length(self, key: int) -> int:
+        inode = self.files[key >> _BLOCK_BITS]
+        return min(self.block_size, inode.size - (key & ((1 << _BLOCK_BITS) - 1)) * self.block_size)
+
+    def key_at(self, position: int) -> int:
+        return self._keys[position - self._base]
+
+    def is_consumed(self, position: int) -> bool:
+        return bool(self._consumed[position - self._base])
+
+    def consumed_at(self, position: int) -> bool:
+        """Whether a reader used the block at `position` (False once forgotten, behind the window)."""
+        return position >= self._base and position < self.horizon and self.is_consumed(position)
+
+    # -- next uses --------------------------------------------------------------------
+
+    def distance(self, key: BlockKey) -> int:
+        """Planned uses from the tail to the block's next unconsumed use (INFINITE: none in the horizon)."""
+        entry = self.key_of(key)
+        position = self.next_use.get(entry) if entry is not None else None
+        return INFINITE if position is None else max(0, position - self.tail)
+
+    def extend_horizon(self, entries: int) -> None:
+        """Index the uses up to `entries` past the tail (as far as the plan has arrived)."""
+        stop = min(self.store.length, self.tail + entries)
+        if stop <= self.horizon:
+            return
+        for position, key in zip(range(self.horizon, stop), self.store.entries(self.horizon, stop), strict=True):
+            self._keys.append(key)
+            self._following.append(-1)
+            self._consumed.append(0)
+            last = self._last_use.get(key)
+            if last is not None:
+                self._following[last - self._base] = position
+            if key not in self.next_use:
+                self.next_use[key] = position
+            self._last_use[key] = position
+        self.horizon = stop
+
+    # -- following the readers ------------------------------------------------------------
+
+    def observe(self, key: int, reach: int) -> bool:
+        """A reader used block `key`: consume its next planned use if within `reach` of the frontier."""
+        position = self.next_use.get(key)
+        if position is None or position >= max(self.head, self.issued) + reach:
+            return False
+        self._consume(position)
+        self.matched_blocks += 1
+        return True
+
+    def _consume(self, position: int) -> None:
+        self._consumed[position - self._base] = 1
+        key = self._keys[position - self._base]
+        if self.next_use.get(key) == position:
+            self._advance_next_use(key, position)
+        self.head = max(self.head, position + 1)
+        self.advance_tail()
+
+    def _advance_next_use(self, key: int, position: int) -> None:
+        following = self._following[position - self._base]
+        while following != -1 and self._consumed[following - self._base]:
+            following = self._following[following - self._base]
+        if following == -1:
+            del self.next_use[key]
+            self.released.append(key)
+        else:
+            self.next_use[key] = following
+
+    def advance_tail(self) -> None:
+        """Move the tail over consumed uses, and over any more than `trail` behind the head."""
+        limit = self.head - self.trail
+        while self.tail < self.horizon and (self._consumed[self.tail - self._base] or self.tail < limit):
+            self._pass(self.tail)
+            self.tail += 1
+        if self.complete and self.tail >= self.store.length:
+            self.finished.set()
+        if self.tail - self._base >= CHUNK_ENTRIES and self.tail - self._base >= len(self._keys) // 2:
+            drop = self.tail - self._base
+            del self._keys[:drop]
+            del self._following[:drop]
+            del self._consumed[:drop]
+            self._base = self.tail
+            self.store.drop_before(self.tail)
+
+    def _pass(self, position: int) -> None:
+        offset = position - self._base
+        key = self._keys[offset]
+        if not self._consumed[offset]:
+            self.skipped_uses += 1
+            if self.next_use.get(key) == position:
+                self._advance_next_use(key, position)
+        if self._last_use.get(key) == position:
+            del self._last_use[key]
+
+    def next_use_after(self, position: int) -> int | None:
+        """The first unconsumed use of the block at `position` after it (any thread: may answer None)."""
+        try:
+            following = self._following[position - self._base]
+            while following != -1 and self._consumed[following - self._base]:
+                following = self._following[following - self._base]
+        except IndexError:  # the window moved meanwhile
+            return None
+        return None if following == -1 else following
+
+    def end(self) -> None:
+        """Cancel: no more prefetch, no more advice."""
+        self.cancelled = True
+        self.finished.set()
+        self.next_use.clear()
+        self.released.clear()
+        self.store.close()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "plan": self.id,
+            "epoch": self.epoch,
+            "files": len(self.files),
+            "reads": self.reads,
+            "blocks": self.store.length,
+            "complete": self.complete,
+            "position": self.tail,
+            "head": self.head,
+            "prefetched_blocks": self.prefetched_blocks,
+            "prefetch_used_blocks": self.used_blocks,
+            "prefetch_wasted_blocks": self.wasted_blocks,
+            "skipped_uses": self.skipped_uses,
+            "spilled_bytes": self.store.spilled_chunks * CHUNK_ENTRIES * 8,
+            "age_s": time.monotonic() - self.created_s,
+        }
+
+
+@dataclasses.dataclass(slots=True)
+class _Buffered:
+    """A block prefetched for a plan's use at `position`, held until read."""
+
+    plan: Plan
+    position: int
+    data: BlockData
+
+
+class Planner:
+    """Active plans, their prefetch, the eviction advice, and the training statistics."""
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        cache: BlockCache,
+        fetcher: Fetcher,
+        stats: Stats,
+        *,
+        block_size: int,
+        cache_dir: Path,
+    ) -> None:
+        self._namespace = namespace
+        self._cache = cache
+        self._fetcher = fetcher
+        self._stats = stats
+        self._block_size = block_size
+        self._plans_dir = cache_dir / PLANS_DIR
+        shutil.rmtree(self._plans_dir, ignore_errors=True)  # left over by a crash
+        self._plans: dict[int, Plan] = {}
+        self._next_id = 1
+        self.training = TrainingStats(stats)
+        capacity_blocks = max(1, cache.capacity_bytes // block_size)
+        self.max_lookahead_blocks = max(MIN_LOOKAHEAD_BLOCKS,
+                                        min(MAX_LOOKAHEAD_BLOCKS, LOOKAHEAD_MEMORY_BYTES // block_size))
+        self.lookahead_blocks = min(INITIAL_LOOKAHEAD_BLOCKS, self.max_lookahead_blocks)
+        self._horizon_entries = min(HORIZON_BUDGET_ENTRIES, max(MIN_HORIZON_ENTRIES, 4 * capacity_blocks))
+        self._slots = int(fetcher.prefetch_slots.total_tokens)
+        self._inflight_blocks = 0
+        # Prefetched blocks held for the readers until their planned use (then
+        # dropped: whether a block stays is for the cache to decide, by its
+        # use after that one).
+        self._buffer: dict[BlockKey, _Buffered] = {}
+        self._recent: collections.deque[BlockKey] = collections.deque(maxlen=RECENT_BLOCKS)
+        self._wake = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        # Measurements behind the lookahead.
+        self.latency_s = INITIAL_LATENCY_S
+        self.consume_rate = 0.0  # planned uses served per second
+        self.fetch_rate = 0.0  # bytes per second fetched by plan prefetch
+        self.concurrency_blocks = max(MIN_CONCURRENCY_BLOCKS, min(INITIAL_INFLIGHT_BYTES // block_size,
+                                                                  self._slots))
+        self.rtt_s: float | None = None
+        self.link_rate: float | None = None  # bytes per second
+        self._rtt_samples: collections.deque[tuple[float, float]] = collections.deque()
+        self._rate_samples: collections.deque[tuple[float, float]] = collections.deque()
+        self._tick_link_bytes = stats.fetched_bytes
+        self._boost = 1.0
+        self._overtaken = False
+        self._tick_s = time.monotonic()
+        self._tick_consumed = 0
+        self._tick_fetched = 0
+        self._consumed_total = 0
+        self._fetched_total = 0
+
+    # -- hooks ------------------------------------------------------------------------
+
+    def observe(self, key: BlockKey) -> BlockData | None:
+        """Reader hook: a block is being read (trio thread; cheap). Returns its bytes if prefetched."""
+        buffered = self._buffer.pop(key, None)
+        if buffered is not None:
+            buffered.plan.used_blocks += 1
+        if not self._plans or key in self._recent:
+            return buffered.data if buffered is not None else None
+        self._recent.append(key)
+        reach = self.lookahead_blocks + MATCH_SLACK_ENTRIES
+        matched = False
+        for plan in self._plans.values():
+            entry = plan.key_of(key)
+            if entry is not None and plan.observe(entry, reach):
+                matched = True
+                self._consumed_total += 1
+                if plan.head > plan.issued:
+                    self._overtaken = True
+        if not matched:
+            self._stats.plan_unplanned_blocks += 1
+        self._wake.set()
+        return buffered.data if buffered is not None else None
+
+    def active(self) -> bool:
+        return bool(self._plans)
+
+    def covers(self, inode: Inode) -> bool:
+        """Reader hook: whether an active plan reads this file (its read-ahead then stays off)."""
+        return any(plan.covers(inode) for plan in self._plans.values())
+
+    def distance(self, key: BlockKey) -> int:
+        """Cache hook (any thread): planned uses until the block's next use, over all plans.
+
+        For a block held in the prefetch buffer, that use is covered: what
+        counts for the cache is the use after it.
+        """
+        buffered = self._buffer.get(key)
+        best = INFINITE
+        for plan in list(self._plans.values()):
+            if buffered is not None and buffered.plan is plan:
+                after = plan.next_use_after(buffered.position)
+                if after is not None:
+                    best = min(best, max(0, after - plan.tail))
+            else:
+                best = min(best, plan.distance(key))
+        return best
+
+    def victim_hints(self) -> Iterator[BlockKey]:
+        """Cache hook (any thread): blocks the plans have finished with, oldest first."""
+        for plan in list(self._plans.values()):
+            while True:
+                try:
+                    entry = plan.released.popleft()
+                except IndexError:
+                    break
+                yield plan.block_key(entry)
+
+    def requeue_hints(self, keys: list[BlockKey]) -> None:
+        for key in keys:
+            for plan in list(self._plans.values()):
+                entry = plan.key_of(key)
+                if entry is not None:
+                    plan.released.append(entry)
+                    break
+
+    def cancel_all(self, reason: str) -> None:
+        """End every plan (the snapshot changed under them)."""
+        for plan in list(self._plans.values()):
+            log.info("cancelling plan %d: %s", plan.id, reason)
+            self._end(plan)
+
+    # -- the background task ---------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Prefetch along the plans and keep the statistics, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            next_tick = trio.current_time()
+            while True:
+                with trio.move_on_after(TICK_S):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+                if trio.current_time() >= next_tick:
+                    next_tick = trio.current_time() + TICK_S
+                    self._tick()
+                    self._drop_passed()
+                for plan in list(self._plans.values()):
+                    self._issue(plan)
+
+    def _drop_passed(self) -> None:
+        """Forget buffered blocks their plan moved past (or ended) without reading them: wasted."""
+        for key, buffered in list(self._buffer.items()):
+            if buffered.plan.cancelled or buffered.position < buffered.plan.tail:
+                del self._buffer[key]
+                buffered.plan.wasted_blocks += 1
+
+    def _tick(self) -> None:
+        """Update the rates and the lookahead; judge the hit ratio window."""
+        now = time.monotonic()
+        elapsed = max(1e-3, now - self._tick_s)
+        consumed = (self._consumed_total - self._tick_consumed) / elapsed
+        fetched = (self._fetched_total - self._tick_fetched) / elapsed
+        delivered = (self._stats.fetched_bytes - self._tick_link_bytes) / elapsed  # demand fetches too
+        self._tick_s, self._tick_consumed, self._tick_fetched = now, self._consumed_total, self._fetched_total
+        self._tick_link_bytes = self._stats.fetched_bytes
+        self._measure_link(now, delivered)
+        if self._plans:
+            # Rates are averaged over ticks with consumption only: a pause (evaluation,
+            # checkpoints, the gap between epochs) keeps the lookahead for the restart,
+            # and a plan nobody follows never grows past its first window.
+            if consumed > 0:
+                self.consume_rate += (RATE_SMOOTHING if self.consume_rate else 1.0) * (consumed - self.consume_rate)
+                self.fetch_rate += (RATE_SMOOTHING if self.fetch_rate else 1.0) * (fetched - self.fetch_rate)
+            if self._overtaken:
+                self._boost = min(MAX_BOOST, self._boost * 2)
+            else:
+                self._boost = max(1.0, self._boost * 0.9)
+            self._overtaken = False
+            if self.consume_rate > 0:
+                wanted = self.consume_rate * (2 * self.latency_s + LOOKAHEAD_MARGIN_S) * self._boost
+                self.lookahead_blocks = max(MIN_LOOKAHEAD_BLOCKS, min(self.max_lookahead_blocks, math.ceil(wanted)))
+            for plan in self._plans.values():
+                self._sync_counters(plan)
+        self.training.tick()
+
+    def _measure_link(self, now: float, delivered: float) -> None:
+        """RTT and link rate over the last LINK_WINDOW_S; the prefetch concurrency from them."""
+        if delivered > 0:
+            self._rate_samples.append((now, delivered))
+        for samples in (self._rate_samples, self._rtt_samples):
+            while samples and samples[0][0] < now - LINK_WINDOW_S:
+                samples.popleft()
+        if not self._rate_samples or not self._rtt_samples:
+            return
+        self.link_rate = max(rate for _t, rate in self._rate_samples)
+        self.rtt_s = min(rtt for _t, rtt in self._rtt_samples)
+        wanted = 2 * self.link_rate * self.rtt_s / self._block_size + 1
+        self.concurrency_blocks = max(MIN_CONCURRENCY_BLOCKS, min(self._slots, math.ceil(wanted)))
+
+    def _issue(self, plan: Plan) -> None:
+        """Ask for the blocks of the plan's next `lookahead_blocks` uses that are not cached or in flight."""
+        if plan.cancelled:
+            return
+        plan.trail = max(MIN_TRAIL_ENTRIES, 2 * self.lookahead_blocks)
+        plan.extend_horizon(max(self._horizon_entries // max(1, len(self._plans)), MIN_HORIZON_ENTRIES,
+                                plan.head - plan.tail + self.lookahead_blocks))
+        target = min(plan.head + self.lookahead_blocks, plan.horizon)
+        position = max(plan.issued, plan.tail)
+        run: list[tuple[int, int]] = []  # (entry key, position)
+        asked: set[int] = set()
+        while (position < target and self._inflight_blocks + len(run) < self.concurrency_blocks
+               and self._inflight_blocks + len(self._buffer) + len(run) < self.lookahead_blocks):
+            entry = plan.key_at(position)
+            if not plan.is_consumed(position) and entry not in asked:
+                key = plan.block_key(entry)
+                if key not in self._buffer and self._fetcher.flight(key) is None and not self._cache.contains(key):
+                    if run and (entry != run[-1][0] + 1 or len(run) >= COALESCE_BLOCKS):
+                        self._start_run(plan, run)
+                        run = []
+                    run.append((entry, position))
+                    asked.add(entry)
+            position += 1
+        if run:
+            self._start_run(plan, run)
+        plan.issued = position
+
+    def _start_run(self, plan: Plan, run: list[tuple[int, int]]) -> None:
+        assert self._nursery is not None
+        self._inflight_blocks += len(run)
+        self._nursery.start_soon(self._prefetch_run, plan, run)
+
+    async def _prefetch_run(self, plan: Plan, run: list[tuple[int, int]]) -> None:
+        """Fetch a run of contiguous blocks (one request) for `plan`, at read-ahead priority."""
+        try:
+            async with self._fetcher.prefetch_slots:
+                if plan.cancelled:
+                    return
+                # Readers may have fetched some meanwhile: keep the first contiguous stretch still missing.
+                wanted: list[tuple[int, int]] = []
+                for entry, position in run:
+                    key = plan.block_key(entry)
+                    if key in self._buffer or self._fetcher.flight(key) is not None or self._cache.contains(key):
+                        if wanted:
+                            break
+                        continue
+                    wanted.append((entry, position))
+                if not wanted:
+                    return
+                keys = [plan.block_key(entry) for entry, _position in wanted]
+                lengths = [plan.block_length(entry) for entry, _position in wanted]
+                positions = {key: position for key, (_entry, position) in zip(keys, wanted, strict=True)}
+
+                def hold(key: BlockKey, data: BlockData) -> None:
+                    """The block arrived: keep it for its reader (before the cache decides on it)."""
+                    position = positions[key]
+                    if plan.consumed_at(position):
+                        plan.used_blocks += 1  # a reader waited for it
+                    elif plan.cancelled or position < plan.tail:
+                        plan.wasted_blocks += 1  # the plan ended or moved past it meanwhile
+                    else:
+                        self._buffer[key] = _Buffered(plan, position, data)
+
+                started = trio.current_time()
+                fetched = await self._fetcher.prefetch(
+                    keys, keys[0].blockno * self._block_size, lengths, count_readahead=False, on_fetched=hold
+                )
+                if not fetched:
+                    log.debug("plan %d: prefetch of %s failed", plan.id, keys[0])
+                    return
+                latency_s = trio.current_time() - started
+                self.latency_s += RATE_SMOOTHING * (latency_s - self.latency_s)
+                if len(keys) == 1:
+                    self._rtt_samples.append((time.monotonic(), latency_s))
+                self._fetched_total += sum(lengths)
+                self._stats.plan_prefetch_blocks += len(keys)
+                plan.prefetched_blocks += len(keys)
+        finally:
+            self._inflight_blocks -= len(run)
+            self._sync_counters(plan)
+
+    def _sync_counters(self, plan: Plan) -> None:
+        """Carry a plan's used/wasted counts into the mount's counters."""
+        self._stats.plan_prefetch_used_blocks += plan.used_blocks - plan.reported_used
+        self._stats.plan_prefetch_wasted_blocks += plan.wasted_blocks - plan.reported_wasted
+        plan.reported_used, plan.reported_wasted = plan.used_blocks, plan.wasted_blocks
+
+    # -- plans over the control socket ---------------------------------------------------------
+
+    async def handle_plan(self, request: dict[str, Any], progress: Progress, lines: Lines) -> dict[str, Any]:
+        """The `plan` command: receive a plan, follow it until the client closes the connection or it is done."""
+        if len(self._plans) >= MAX_PLANS:
+            raise CachefsError(f"too many plans at once (at most {MAX_PLANS}); close finished ones")
+        epoch = request.get("epoch")
+        if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0):
+            raise CachefsError("epoch must be a non-negative integer")
+        plan_id = self._next_id
+        self._next_id += 1
+        plan = Plan(plan_id, self.training.start_epoch(epoch), EntryStore(self._plans_dir / f"{plan_id}.entries"),
+                    self._block_size)
+        self._plans[plan.id] = plan
+        try:
+            if not await self._receive(plan, lines):
+                log.info("plan %d: the client went away before sending all of it", plan.id)
+                return plan.summary()
+            plan.complete = True
+            plan.advance_tail()
+            log.info("plan %d (epoch %d): %d reads of %d files, %d block uses",
+                     plan.id, plan.epoch, plan.reads, len(plan.files), plan.store.length)
+            await progress({"state": "active", **plan.summary()})
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_when_closed, lines, nursery.cancel_scope)
+                await plan.finished.wait()
+                nursery.cancel_scope.cancel()
+            done = plan.complete and plan.tail >= plan.store.length
+            return {"state": "finished" if done else "cancelled", **plan.summary()}
+        finally:
+            self._end(plan)
+
+    async def _receive(self, plan: Plan, lines: Lines) -> bool:
+        """Read the plan's lines up to its end marker; False if the client closed the connection first."""
+        directories: dict[str, Inode | None] = {}
+        while True:
+            try:
+                with trio.fail_after(LINE_TIMEOUT_S):
+                    line = await lines.receive_line(MAX_LINE_BYTES)
+            except trio.TooSlowError:
+                raise CachefsError(f"plan rejected: no line for {LINE_TIMEOUT_S:g} s before its end marker") from None
+            if line is None:
+                return False
+            try:
+                message = json.loads(line)
+            except ValueError:
+                raise CachefsError("malformed plan line: not JSON") from None
+            if not isinstance(message, dict):
+                raise CachefsError("malformed plan line: expected an object")
+            if message.get("end"):
+                return True
+            if "files" in message:
+                self._add_files(plan, message["files"], directories)
+            if "reads" in message:
+                _add_reads(plan, message["reads"])
+            self._wake.set()
+            await trio.lowlevel.checkpoint()
+
+    def _add_files(self, plan: Plan, paths: Any, directories: dict[str, Inode | None]) -> None:
+        if not isinstance(paths, list) or not all(isinstance(path, str) for path in paths):
+            raise CachefsError("malformed plan line: files must be a list of paths")
+        for path in paths:
+            parent_path, _slash, name = path.strip("/").rpartition("/")
+            if parent_path not in directories:  # a dataset of many files has few directories
+                directories[parent_path] = self._namespace.resolve(parent_path)
+            parent = directories[parent_path]
+            inode = None
+            if parent is not None and parent.is_dir:
+                inode = self._namespace.lookup(parent.ino, os.fsencode(name)) if name not in ("", ".") else parent
+            if inode is None:
+                raise CachefsError(f"plan rejected: no such file in the mounted snapshot: {path or '/'}")
+            if not inode.is_file:
+                raise CachefsError(f"plan rejected: not a regular file: {path or '/'}")
+            plan.add_file(inode)
+
+    def _end(self, plan: Plan) -> None:
+        if self._plans.pop(plan.id, None) is None:
+            return
+        plan.end()
+        self._drop_passed()
+        self._sync_counters(plan)
+        log.info("plan %d ended: %d blocks prefetched, %d used, %d wasted",
+                 plan.id, plan.prefetched_blocks, plan.used_blocks, plan.wasted_blocks)
+
+    # -- reporting ----------------------------------------------------------------------------
+
+    def snapshot(self, judge: bool = True) -> dict[str, Any]:
+        """Plans, lookahead, link estimates, epochs. Only the trio thread may `judge` (tick the statistics)."""
+        if judge:
+            self.training.tick()  # judge the reads since the last tick, if there are enough
+        plans = list(self._plans.values())  # a copy: the metrics thread reads this too
+        return {
+            "plans_active": len(plans),
+            "plans": [plan.summary() for plan in plans],
+            "lookahead_blocks": self.lookahead_blocks,
+            "max_lookahead_blocks": self.max_lookahead_blocks,
+            "prefetch_latency_s": self.latency_s,
+            "prefetch_concurrency_blocks": self.concurrency_blocks,
+            "link_rtt_s": self.rtt_s,
+            "link_rate_bytes_per_s": self.link_rate,
+            "consume_rate_blocks_per_s": self.consume_rate,
+            "prefetch_rate_bytes_per_s": self.fetch_rate,
+            **self.training.snapshot(),
+        }
+
+
+def _add_reads(plan: Plan, reads: Any) -> None:
+    """Validate and add reads [file index, offset, length or null]."""
+    if not isinstance(reads, list):
+        raise CachefsError("malformed plan line: reads must be a list")
+    files = plan.files
+    for read in reads:
+        if not isinstance(read, list) or len(read) != 3:
+            raise CachefsError("malformed plan read: expected [file, offset, length]")
+        index, offset, length = read
+        if not isinstance(index, int) or not 0 <= index < len(files):
+            raise CachefsError(f"malformed plan read: unknown file index {index!r}")
+        if not isinstance(offset, int) or offset < 0:
+            raise CachefsError(f"malformed plan read: bad offset {offset!r}")
+        size = files[index].size
+        if length is None:
+            length = size - offset
+        elif not isinstance(length, int) or length < 0:
+            raise CachefsError(f"malformed plan read: bad length {length!r}")
+        length = min(length, size - offset)
+        if length > 0:
+            plan.add_read(index, offset, length)
+        elif offset > size:
+            raise CachefsError(f"plan rejected: offset {offset} is beyond the end of a {size}-byte file "
+                               f"(file {index} of the plan)")
+
+
+async def _cancel_when_closed(lines: Lines, scope: trio.CancelScope) -> None:
+    """Wait for the client to close the connection (or send {"cancel": true}), then cancel `scope`."""
+    while True:
+        line = await lines.receive_line(MAX_LINE_BYTES)
+        if line is None:
+            break
+        try:
+            message = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(message, dict) and message.get("cancel"):
+            break
+    scope.cancel()

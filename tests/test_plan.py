@@ -1,0 +1,318 @@
+"""Training-aware caching: plans from cachefs.plan drive prefetch and eviction on a real mount."""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import SPOKE_ARGS
+from dataset import TEST_BLOCK_SIZE
+from mount_helpers import SpokeMount, mounted_spoke, run_cachefs
+from test_metrics import free_port, scrape
+from test_mount import read_uncached
+
+from cachefs import plan as cachefs_plan
+from cachefs import planner
+from cachefs.planner import INITIAL_LOOKAHEAD_BLOCKS
+
+# No read-ahead of the reader's own: every prefetch in these tests is the plan's.
+PLAIN_ARGS = (*SPOKE_ARGS, "--readahead-blocks", "0", "--prefetch-siblings", "0")
+WAIT_S = 20.0
+
+Read = tuple[str, int, int | None]
+
+
+def wait_for(spoke: SpokeMount, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """Poll the mount's stats until `predicate` holds (bounded); returns them."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        stats = spoke.stats()
+        if predicate(stats):
+            return stats
+        assert time.monotonic() < deadline, f"condition not reached; stats: {stats}"
+        time.sleep(0.02)
+
+
+def settled(spoke: SpokeMount) -> dict[str, Any]:
+    """Stats once plan prefetch has stopped changing (nothing left it may fetch)."""
+    previous = None
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        stats = spoke.stats()
+        if previous is not None and stats["plan_prefetch_blocks"] == previous["plan_prefetch_blocks"]:
+            return stats
+        previous = stats
+        time.sleep(0.3)
+    raise AssertionError("plan prefetch did not settle")
+
+
+def shard_blocks(dataset: Path) -> list[Read]:
+    """Every block of every shard, as block-sized reads."""
+    reads: list[Read] = []
+    for shard in sorted((dataset / "shards").iterdir()):
+        size = shard.stat().st_size
+        reads.extend((f"shards/{shard.name}", offset, min(TEST_BLOCK_SIZE, size - offset))
+                     for offset in range(0, size, TEST_BLOCK_SIZE))
+    return reads
+
+
+def expected(dataset: Path, read: Read) -> bytes:
+    relative, offset, length = read
+    with open(dataset / relative, "rb") as source:
+        source.seek(offset)
+        return source.read(length if length is not None else -1)
+
+
+def read_through(spoke: SpokeMount, dataset: Path, reads: list[Read]) -> None:
+    for read in reads:
+        relative, offset, length = read
+        assert read_uncached(spoke.mountpoint / relative, offset, length) == expected(dataset, read), read
+
+
+def in_mount(spoke: SpokeMount, reads: list[Read]) -> list[Read]:
+    return [(str(spoke.mountpoint / relative), offset, length) for relative, offset, length in reads]
+
+
+def test_plan_prefetch_serves_identical_bytes(hub, dataset: Path, tmp_path: Path) -> None:
+    reads = shard_blocks(dataset)
+    random.Random(1).shuffle(reads)
+    small = sorted(p.relative_to(dataset) for p in (dataset / "small").rglob("*") if p.is_file())[:20]
+    reads += [(str(path), 0, None) for path in small]  # whole files, length None
+    blocks = len(reads)
+    with mounted_spoke(hub.url, tmp_path, PLAIN_ARGS) as spoke:
+        with cachefs_plan.submit(in_mount(spoke, reads), epoch=1) as plan:
+            assert (plan.epoch, plan.reads, plan.blocks) == (1, len(reads), blocks)
+            read_through(spoke, dataset, reads)
+            stats = wait_for(spoke, lambda s: s["training"]["plans_active"] == 0)  # done: it ends by itself
+        assert stats["plan_prefetch_blocks"] > 0
+        assert stats["plan_prefetch_used_blocks"] > 0
+        # Prefetch moved fetches earlier, it did not add any: each block crossed once.
+        planned_bytes = sum(len(expected(dataset, read)) for read in reads)
+        assert stats["fetched_bytes"] <= planned_bytes
+        assert stats["block_hits"] + stats["block_misses"] >= blocks
+        epoch = stats["training"]["epochs"][-1]
+        assert epoch["epoch"] == 1 and epoch["fetched_bytes"] == stats["fetched_bytes"]
+        # Read again, in another order: all from the cache now.
+        random.Random(2).shuffle(reads)
+        read_through(spoke, dataset, reads)
+        assert spoke.stats()["fetched_bytes"] == stats["fetched_bytes"]
+
+
+def test_plan_that_lies_costs_only_bounded_counted_prefetch(hub, dataset: Path, tmp_path: Path) -> None:
+    planned = [read for read in shard_blocks(dataset) if read[0] == "shards/shard-000.bin"]
+    actual = [read for read in shard_blocks(dataset) if read[0] == "shards/shard-001.bin"]
+    random.Random(3).shuffle(actual)
+    with mounted_spoke(hub.url, tmp_path, PLAIN_ARGS) as spoke:
+        with cachefs_plan.submit(in_mount(spoke, planned), epoch=1):
+            read_through(spoke, dataset, actual)
+            during = settled(spoke)
+        stats = wait_for(spoke, lambda s: s["training"]["plans_active"] == 0)
+        # The plan's first window was fetched, nothing beyond it; none of it was read.
+        assert 0 < stats["plan_prefetch_blocks"] <= INITIAL_LOOKAHEAD_BLOCKS
+        assert stats["plan_prefetch_blocks"] == during["plan_prefetch_blocks"]
+        assert stats["plan_prefetch_wasted_blocks"] == stats["plan_prefetch_blocks"]
+        assert stats["plan_prefetch_used_blocks"] == 0
+        assert stats["plan_unplanned_blocks"] >= len(actual)
+        assert stats["fetch_failures"] == 0
+        read_through(spoke, dataset, planned + actual)  # still right, whatever the plan said
+
+
+def test_plans_for_missing_files_are_rejected(spoke: SpokeMount, tmp_path: Path) -> None:
+    mountpoint = spoke.mountpoint
+    (tmp_path / "data").symlink_to(mountpoint / "shards")  # paths through a symlink into the mount are fine
+    with cachefs_plan.submit([(tmp_path / "data/shard-000.bin", 0, 100)]) as plan:
+        assert plan.blocks == 1
+    with pytest.raises(cachefs_plan.PlanError, match="no such file in the mounted snapshot: shards/nope.bin"):
+        cachefs_plan.submit([(mountpoint / "shards/shard-000.bin", 0, 100), (mountpoint / "shards/nope.bin", 0, 100)])
+    with pytest.raises(cachefs_plan.PlanError, match="not a regular file: shards"):
+        cachefs_plan.submit([(mountpoint / "shards", 0, 100)])
+    with pytest.raises(cachefs_plan.PlanError, match="beyond the end"):
+        cachefs_plan.submit([(mountpoint / "shards/shard-002.bin", 10 * TEST_BLOCK_SIZE, 100)])
+    with pytest.raises(cachefs_plan.PlanError, match="not inside a cachefs mount"):
+        cachefs_plan.submit([(tmp_path / "elsewhere.bin", 0, 100)])
+    stats = wait_for(spoke, lambda s: s["training"]["plans_active"] == 0)
+    assert stats["plan_prefetch_blocks"] <= 1
+    assert (mountpoint / "with space.txt").read_text() == "a name with a space\n"
+
+
+def test_cancelling_a_plan_stops_its_prefetch(hub, dataset: Path, tmp_path: Path) -> None:
+    reads = shard_blocks(dataset)  # 85 blocks: more than one lookahead window
+    random.Random(4).shuffle(reads)
+    with mounted_spoke(hub.url, tmp_path, PLAIN_ARGS) as spoke:
+        plan = cachefs_plan.submit(in_mount(spoke, reads), epoch=1)
+        read_through(spoke, dataset, reads[:4])
+        window = settled(spoke)["plan_prefetch_blocks"]
+        assert 0 < window < len(reads)
+        plan.close()
+        stats = wait_for(spoke, lambda s: s["training"]["plans_active"] == 0)
+        read_through(spoke, dataset, reads[4:])  # as planned, but the plan is gone
+        after = spoke.stats()
+        assert after["plan_prefetch_blocks"] == stats["plan_prefetch_blocks"]  # nothing more was prefetched
+        assert after["plan_unplanned_blocks"] == 0  # no plan active: reads are not matched against any
+        accounted = after["plan_prefetch_used_blocks"] + after["plan_prefetch_wasted_blocks"]
+        assert accounted == after["plan_prefetch_blocks"]  # every prefetched block counted once, used or wasted
+
+
+def belady_hits(trace: list[list[str]], capacity: int) -> list[int]:
+    """Hits per epoch of Belady's optimal policy on the block trace (offline, full knowledge)."""
+    flat = [block for epoch in trace for block in epoch]
+    next_use = [len(flat)] * len(flat)
+    last: dict[str, int] = {}
+    for index in range(len(flat) - 1, -1, -1):
+        next_use[index] = last.get(flat[index], len(flat) + index)
+        last[flat[index]] = index
+    cached: dict[str, int] = {}
+    heap: list[tuple[int, str]] = []
+    hits, position = [], 0
+    for epoch in trace:
+        count = 0
+        for block in epoch:
+            if block in cached:
+                count += 1
+            elif len(cached) >= capacity:
+                while True:
+                    negative, victim = heapq.heappop(heap)
+                    if cached.get(victim) == -negative:
+                        break
+                if -negative < next_use[position]:  # keep the victim, bypass this block
+                    heapq.heappush(heap, (negative, victim))
+                    position += 1
+                    continue
+                del cached[victim]
+            cached[block] = next_use[position]
+            heapq.heappush(heap, (-next_use[position], block))
+            position += 1
+        hits.append(count)
+    return hits
+
+
+class ShuffledBlocks:
+    """A sampler: a new shuffled order of the block indices each epoch (set_epoch, like DistributedSampler)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        order = list(range(self.count))
+        random.Random(self.epoch).shuffle(order)
+        return iter(order)
+
+
+def test_plan_sampler_epochs_over_twice_the_cache_near_belady(hub, dataset: Path, tmp_path: Path) -> None:
+    blocks = shard_blocks(dataset)
+    capacity = len(blocks) // 2
+    args = (*PLAIN_ARGS, "--cache-size", str(capacity * TEST_BLOCK_SIZE))
+    with mounted_spoke(hub.url, tmp_path, args) as spoke:
+        mounted = in_mount(spoke, blocks)
+        sampler = cachefs_plan.PlanSampler(ShuffledBlocks(len(blocks)), lambda index: [mounted[index]], strict=True)
+        trace, fetched = [], []
+        for epoch in range(1, 4):
+            sampler.set_epoch(epoch)
+            before = spoke.stats()
+            order = list(sampler)  # the plan is handed over here, before the first index
+            assert sorted(order) == list(range(len(blocks)))
+            assert sampler.plan is not None and sampler.plan.epoch == epoch
+            read_through(spoke, dataset, [blocks[index] for index in order])
+            after = spoke.stats()
+            trace.append([f"{blocks[i][0]}:{blocks[i][1]}" for i in order])
+            fetched.append(after["fetched_bytes"] - before["fetched_bytes"])
+        sampler.close()
+        optimum = belady_hits(trace, capacity)
+        total_bytes = sum(length for _path, _offset, length in blocks if length)
+        for epoch in (1, 2):  # epochs 2 and 3
+            # Each block is read once per epoch: the bytes not fetched are the hits.
+            hit_ratio = 1 - fetched[epoch] / total_bytes
+            assert hit_ratio >= 0.9 * optimum[epoch] / len(blocks), (epoch + 1, hit_ratio, optimum, fetched)
+        records = spoke.stats()["training"]["epochs"]
+        assert [record["epoch"] for record in records] == [1, 2, 3]
+        assert records[0]["fetched_bytes"] == fetched[0]
+
+
+def test_stats_and_metrics_show_epochs_stalls_and_time_to_warm(hub, dataset: Path, tmp_path: Path) -> None:
+    reads = shard_blocks(dataset)
+    port = free_port()
+    with mounted_spoke(hub.url, tmp_path, (*PLAIN_ARGS, "--metrics-listen", f"127.0.0.1:{port}")) as spoke:
+        for epoch in (1, 2):
+            with cachefs_plan.submit(in_mount(spoke, reads), epoch=epoch):
+                read_through(spoke, dataset, reads)
+        stats = spoke.stats()
+        metrics = scrape(port)
+        first, second = stats["training"]["epochs"]
+        assert first["fetched_bytes"] > 0 and second["fetched_bytes"] == 0
+        assert second["hit_ratio"] == 1.0 and second["stall_seconds"] == 0
+        assert second["time_to_warm_s"] == 0.0 and stats["training"]["warm"]
+        assert first["stall_seconds"] <= stats["stall_seconds"]
+        assert metrics["cachefs_epoch"] == 2 and metrics["cachefs_epoch_hit_ratio"] == 1.0
+        assert metrics["cachefs_epoch_fetched_bytes"] == 0 and metrics["cachefs_time_to_warm_seconds"] >= 0
+        assert metrics["cachefs_plan_prefetch_blocks_total"] == stats["plan_prefetch_blocks"] > 0
+        assert metrics["cachefs_read_stall_seconds_count"] == stats["stalled_blocks"]
+        assert metrics["cachefs_stall_seconds_total"] == pytest.approx(stats["stall_seconds"])
+        shown = run_cachefs("stats", spoke.mountpoint)
+        assert shown.returncode == 0, shown.stderr
+        assert "time to warm" in shown.stdout and "reader stalls" in shown.stdout
+        header, first_row, second_row = shown.stdout.splitlines()[-3:]
+        assert header.split()[:3] == ["epoch", "time", "hit"]
+        assert first_row.split()[0] == "1" and second_row.split()[0] == "2"
+        assert "100.0 %" in second_row and second_row.endswith("(current)")
+
+
+def test_plan_sampler_hands_over_in_the_background(hub, dataset: Path, tmp_path: Path) -> None:
+    blocks = shard_blocks(dataset)
+    with mounted_spoke(hub.url, tmp_path, PLAIN_ARGS) as spoke:
+        mounted = in_mount(spoke, blocks)
+        sampler = cachefs_plan.PlanSampler(ShuffledBlocks(len(blocks)), lambda index: [mounted[index]])
+        for epoch in (1, 2):
+            order = list(sampler)  # epochs count from 1 without set_epoch
+            plan = sampler.wait(WAIT_S)
+            assert plan is not None and plan.epoch == epoch and plan.blocks == len(blocks)
+            read_through(spoke, dataset, [blocks[index] for index in order])
+        previous = plan
+        sampler.close()
+        assert previous.closed
+        stats = wait_for(spoke, lambda s: s["training"]["plans_active"] == 0)
+        assert [record["epoch"] for record in stats["training"]["epochs"]] == [1, 2]
+        assert stats["training"]["epochs"][1]["fetched_bytes"] == 0
+
+
+def test_plan_sampler_outside_a_mount_samples_unplanned(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "data.bin").write_bytes(b"x" * 100)
+    sampler = cachefs_plan.PlanSampler(list(range(10)), lambda index: [(tmp_path / "data.bin", index * 10, 10)])
+    with caplog.at_level(logging.WARNING):
+        assert list(sampler) == list(range(10))
+        assert sampler.wait(10) is None
+        assert list(sampler) == list(range(10))
+        assert sampler.wait(10) is None
+    assert sum("training without a plan" in record.message for record in caplog.records) == 1
+    with pytest.raises(cachefs_plan.PlanError, match="not inside a cachefs mount"):
+        list(cachefs_plan.PlanSampler([0], lambda index: [(tmp_path / "data.bin", 0, 10)], strict=True))
+
+
+def test_entry_store_spills_beyond_memory_and_reads_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(planner, "CHUNK_ENTRIES", 4)
+    monkeypatch.setattr(planner, "MEMORY_CHUNKS", 2)
+    spill = tmp_path / "plans" / "1.entries"
+    store = planner.EntryStore(spill)
+    rng = random.Random(5)
+    values = [rng.randrange(1 << 60) for _ in range(50)]
+    for value in values:
+        store.append(value)
+    assert store.length == 50 and store.spilled_chunks == 10 and spill.exists()
+    assert list(store.entries(0, 50)) == values
+    assert list(store.entries(13, 31)) == values[13:31]
+    store.drop_before(40)
+    assert list(store.entries(40, 50)) == values[40:]
+    store.close()
+    assert not spill.exists()
