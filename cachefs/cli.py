@@ -9,13 +9,13 @@ import select
 import subprocess
 import sys
 import time
-import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from . import __version__, cli_admin
 from .config import MountConfig, parse_hub_url, parse_listen, parse_size, read_token, validate_block_size
+from .config_file import ConfigFileError, with_config_file
 from .errors import CachefsError, UsageError
 from .mountpoints import lazy_unmount, prepare_mountpoint
 
@@ -103,9 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .bench.cli import main as bench_main
 
         return bench_main(argv[1:])
+    parser = build_parser()
     try:
-        args = build_parser().parse_args(with_config_file(argv))
-    except CachefsError as exc:
+        args = parser.parse_args(with_config_file(argv, parser, "mount"))
+    except ConfigFileError as exc:
         print(f"cachefs: error: {exc}", file=sys.stderr)
         return 2
     try:
@@ -120,49 +121,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("cachefs: interrupted", file=sys.stderr)
         return 130
-
-
-def with_config_file(argv: list[str]) -> list[str]:
-    """Insert the options of `mount --config FILE` before the command line's own, which so win."""
-    if not argv or argv[0] != "mount":
-        return argv
-    path = None
-    for index, arg in enumerate(argv):
-        if arg == "--config" and index + 1 < len(argv):
-            path = Path(argv[index + 1])
-        elif arg.startswith("--config="):
-            path = Path(arg.split("=", 1)[1])
-    if path is None:
-        return argv
-    return [argv[0], *config_file_options(path), *argv[1:]]
-
-
-def config_file_options(path: Path) -> list[str]:
-    """A TOML file's keys as long options: cache_size = "500G" -> --cache-size 500G."""
-    try:
-        with open(path, "rb") as source:
-            table = tomllib.load(source)
-    except OSError as exc:
-        raise UsageError(f"cannot read config file {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UsageError(f"config file {path} is not valid TOML: {exc}") from None
-    mount_options = {action.dest for action in _mount_parser()._actions if action.option_strings}
-    options: list[str] = []
-    for key, value in table.items():
-        if key not in mount_options or key in ("config", "ready_fd", "help"):
-            raise UsageError(f"config file {path}: unknown option {key!r}")
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            options.append(flag)
-        elif value is not False:
-            options += [flag, str(value)]
-    return options
-
-
-def _mount_parser() -> argparse.ArgumentParser:
-    parser = build_parser()
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return commands.choices["mount"]
 
 
 # -- mount ----------------------------------------------------------------------

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from cachefs.config_file import ConfigFileError, with_config_file
 from hubserver.config import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,
@@ -98,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     serve.add_argument("--root", required=True, type=Path, metavar="DIR", help="dataset directory")
+    serve.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="TOML file of these options (keys as the long options: root, listen, token_file, ...); flags override it",
+    )
     serve.add_argument(
         "--listen",
         default=DEFAULT_LISTEN,
@@ -312,7 +319,12 @@ def _load_credentials(config: HubConfig) -> tuple[HubAuth, ssl.SSLContext | None
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``cachefs-hub``; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(with_config_file(list(sys.argv[1:] if argv is None else argv), parser, "serve"))
+    except ConfigFileError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAILURE
     try:
         root = check_root(args.root)
         _check_security_options(args)

@@ -31,3 +31,26 @@ def test_bad_config_files_are_refused(hub, tmp_path: Path) -> None:
                          "not valid TOML")
     assert_clean_failure(run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", tmp_path / "c",
                                      "--config", tmp_path / "missing.toml"), "cannot read config file")
+
+
+def test_hub_config_file_options_apply(dataset: Path, tmp_path: Path) -> None:
+    import urllib.error
+    import urllib.request
+
+    from hub_helpers import run_hub_cli, running_hub
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("spoke:a-token-that-is-long-enough-0123\n")
+    tokens.chmod(0o600)
+    config = tmp_path / "hub.toml"
+    config.write_text(f'token_file = "{tokens}"\nrescan_interval = 3600\n')
+    with running_hub(dataset, ["--config", str(config)]) as hub:
+        try:
+            urllib.request.urlopen(hub.url + "/v1/manifest", timeout=10)
+            raise AssertionError("the token file from the config was not applied")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 401
+    bad = tmp_path / "bad.toml"
+    bad.write_text('rot = "/srv"\n')
+    result = run_hub_cli(["serve", "--config", str(bad)])
+    assert result.returncode == 1 and "unknown option 'rot'" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,60 @@
+"""TOML config files for both daemons: a file's keys become long options, placed
+before the command line's own so that flags override the file.
+
+    cache_size = "500G"      ->  --cache-size 500G
+    allow_other = true       ->  --allow-other
+
+Standard library only: the hub's CLI uses it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from pathlib import Path
+
+
+class ConfigFileError(Exception):
+    """A config file that cannot be read or holds an unknown option (one line)."""
+
+
+def with_config_file(argv: list[str], parser: argparse.ArgumentParser, command: str) -> list[str]:
+    """`argv` with the options of `COMMAND ... --config FILE` inserted right after COMMAND."""
+    if not argv or argv[0] != command:
+        return argv
+    path = None
+    for index, arg in enumerate(argv):
+        if arg == "--config" and index + 1 < len(argv):
+            path = Path(argv[index + 1])
+        elif arg.startswith("--config="):
+            path = Path(arg.split("=", 1)[1])
+    if path is None:
+        return argv
+    return [command, *options_from_file(path, _subparser(parser, command)), *argv[1:]]
+
+
+def options_from_file(path: Path, parser: argparse.ArgumentParser) -> list[str]:
+    """The file's keys as long options of `parser` (unknown keys are an error)."""
+    try:
+        with open(path, "rb") as source:
+            table = tomllib.load(source)
+    except OSError as exc:
+        raise ConfigFileError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigFileError(f"config file {path} is not valid TOML: {exc}") from None
+    known = {action.dest for action in parser._actions if action.option_strings and action.help != argparse.SUPPRESS}
+    options: list[str] = []
+    for key, value in table.items():
+        if key not in known or key in ("config", "help"):
+            raise ConfigFileError(f"config file {path}: unknown option {key!r}")
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            options.append(flag)
+        elif value is not False:
+            options += [flag, str(value)]
+    return options
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices[command]
