@@ -24,6 +24,7 @@ import aiohttp
 from aiohttp import web
 
 FAULTS = ("error", "drop", "truncate", "flip", "stall")
+SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 _FORWARDED = ("Range", "Authorization", "Accept-Encoding")
 
 
@@ -53,7 +54,7 @@ class FaultProxy:
             return fault
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        session: aiohttp.ClientSession = request.app["session"]
+        session = request.app[SESSION_KEY]
         headers = {name: request.headers[name] for name in _FORWARDED if name in request.headers}
         fault = self._choose(request.path)
         if fault == "error":
@@ -102,7 +103,7 @@ def running_fault_proxy(hub_url: str, fault_rate: float, **options: object) -> I
 
     async def start() -> None:
         app = web.Application()
-        app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64))
+        app[SESSION_KEY] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64))
         app.router.add_get("/{tail:.*}", proxy.handle)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -115,7 +116,7 @@ def running_fault_proxy(hub_url: str, fault_rate: float, **options: object) -> I
 
     async def stop() -> None:
         runner = runner_box[0]
-        await runner.app["session"].close()
+        await runner.app[SESSION_KEY].close()
         await runner.cleanup()
 
     thread = threading.Thread(target=loop.run_forever, daemon=True)
