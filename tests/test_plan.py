@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import heapq
 import logging
 import random
 import time
@@ -19,6 +18,7 @@ from test_mount import read_uncached
 
 from cachefs import plan as cachefs_plan
 from cachefs import planner
+from cachefs.bench.plan_bench import belady_hits
 from cachefs.planner import INITIAL_LOOKAHEAD_BLOCKS
 
 # No read-ahead of the reader's own: every prefetch in these tests is the plan's.
@@ -157,39 +157,6 @@ def test_cancelling_a_plan_stops_its_prefetch(hub, dataset: Path, tmp_path: Path
         assert after["plan_unplanned_blocks"] == 0  # no plan active: reads are not matched against any
         accounted = after["plan_prefetch_used_blocks"] + after["plan_prefetch_wasted_blocks"]
         assert accounted == after["plan_prefetch_blocks"]  # every prefetched block counted once, used or wasted
-
-
-def belady_hits(trace: list[list[str]], capacity: int) -> list[int]:
-    """Hits per epoch of Belady's optimal policy on the block trace (offline, full knowledge)."""
-    flat = [block for epoch in trace for block in epoch]
-    next_use = [len(flat)] * len(flat)
-    last: dict[str, int] = {}
-    for index in range(len(flat) - 1, -1, -1):
-        next_use[index] = last.get(flat[index], len(flat) + index)
-        last[flat[index]] = index
-    cached: dict[str, int] = {}
-    heap: list[tuple[int, str]] = []
-    hits, position = [], 0
-    for epoch in trace:
-        count = 0
-        for block in epoch:
-            if block in cached:
-                count += 1
-            elif len(cached) >= capacity:
-                while True:
-                    negative, victim = heapq.heappop(heap)
-                    if cached.get(victim) == -negative:
-                        break
-                if -negative < next_use[position]:  # keep the victim, bypass this block
-                    heapq.heappush(heap, (negative, victim))
-                    position += 1
-                    continue
-                del cached[victim]
-            cached[block] = next_use[position]
-            heapq.heappush(heap, (-next_use[position], block))
-            position += 1
-        hits.append(count)
-    return hits
 
 
 class ShuffledBlocks:
