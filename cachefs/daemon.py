@@ -190,7 +190,7 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
             nursery.start_soon(_terminate_on_signal)
             nursery.start_soon(_save_policy_periodically, cache)
             if config.refresh_interval_s:
-                nursery.start_soon(snapshots.poll, config.refresh_interval_s, cache, _invalidate_kernel_caches)
+                nursery.start_soon(snapshots.poll, config.refresh_interval_s, refresh)  # cancels plans too
             nursery.start_soon(_serve_fuse, nursery.cancel_scope)
             await _raise_kernel_readahead(config, operations)
             notify("ready")

@@ -82,8 +82,8 @@ class Snapshots:
                 "dropped_blocks": dropped,
             }
 
-    async def poll(self, interval_s: float, cache: BlockCache, invalidate: Invalidate) -> None:
-        """Refresh whenever the hub's generation differs (background task)."""
+    async def poll(self, interval_s: float, refresh: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        """Call `refresh` whenever the hub's generation differs (background task)."""
         while True:
             await trio.sleep(interval_s)
             try:
@@ -91,7 +91,7 @@ class Snapshots:
                     health = await self._client.healthz()
                 summary = self._namespace.summary()
                 if summary is not None and health.get("generation") != summary.generation:
-                    await self.refresh(cache, invalidate)
+                    await refresh()
             except (HubError, trio.TooSlowError) as exc:
                 log.info("generation poll failed: %s", exc or "timed out")
 

@@ -91,3 +91,18 @@ def test_removed_and_added_files_after_refresh(dataset: Path, tmp_path: Path) ->
             assert not (spoke.mountpoint / "with space.txt").exists()
             assert (spoke.mountpoint / "new.txt").read_text() == "added later\n"
             assert "new.txt" in os.listdir(spoke.mountpoint)
+
+
+def test_refresh_interval_follows_the_hub(dataset: Path, tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    shutil.copytree(dataset, source, symlinks=True)
+    with running_hub(source) as hub, mounted_spoke(hub.url, tmp_path, (*ARGS, "--refresh-interval", "0.5")) as spoke:
+        assert (spoke.mountpoint / "with space.txt").read_text() == "a name with a space\n"
+        (source / "with space.txt").write_text("changed at the hub\n")
+        with urllib.request.urlopen(urllib.request.Request(hub.url + "/v1/rescan", method="POST"), timeout=30):
+            pass
+        deadline = time.monotonic() + 30
+        while (spoke.mountpoint / "with space.txt").stat().st_size != len("changed at the hub\n"):
+            assert time.monotonic() < deadline, "the mount did not follow the hub's new generation"
+            time.sleep(0.1)
+        assert (spoke.mountpoint / "with space.txt").read_text() == "changed at the hub\n"
