@@ -12,7 +12,6 @@ traces for reference.
 from __future__ import annotations
 
 import argparse
-import collections
 import random
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 from ..cache import BlockCache, BlockKey
 from ..db import open_database
 from ..metrics import Stats
+from .plan_bench import lru_hits
 
 BLOCK_BYTES = 4096  # small blocks: the policy sees keys and sizes, not contents
 
@@ -61,20 +61,8 @@ def replay_cachefs(epochs: list[list[int]], cache_blocks: int) -> list[float]:
 
 
 def replay_lru(epochs: list[list[int]], cache_blocks: int) -> list[float]:
-    cached: collections.OrderedDict[int, None] = collections.OrderedDict()
-    ratios = []
-    for order in epochs:
-        hits = 0
-        for block in order:
-            if block in cached:
-                hits += 1
-                cached.move_to_end(block)
-            else:
-                cached[block] = None
-                if len(cached) > cache_blocks:
-                    cached.popitem(last=False)
-        ratios.append(hits / len(order))
-    return ratios
+    """Hit ratio per epoch of plain LRU (the simulator the plan benchmark uses too)."""
+    return [hits / len(order) for hits, order in zip(lru_hits(epochs, cache_blocks), epochs, strict=True)]
 
 
 def main(argv: list[str] | None = None) -> int:
