@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 import xxhash
-from hub_helpers import HubProcess, run_hub_cli, running_hub
+from hub_helpers import HubProcess, Reply, run_hub_cli, running_hub
+from hub_helpers import http_get as get
 
 from hubserver.handlers import iter_gzip_chunks
 
@@ -55,29 +56,6 @@ EXPECTED_ORDER = [
 
 
 # --------------------------------------------------------------- client side
-
-
-@dataclass
-class Reply:
-    status: int
-    headers: Mapping[str, str]
-    body: bytes
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-def get(hub: HubProcess, path: str, headers: Mapping[str, str] | None = None) -> Reply:
-    """One GET, with the path sent exactly as given (no client normalisation)."""
-    conn = http.client.HTTPConnection(hub.host, hub.port, timeout=10)
-    try:
-        conn.request("GET", path, headers=dict(headers or {}))
-        response = conn.getresponse()
-        body = response.read()
-        headers_ci = {k.lower(): v for k, v in response.getheaders()}
-        return Reply(response.status, headers_ci, body)
-    finally:
-        conn.close()
 
 
 @dataclass
