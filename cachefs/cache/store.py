@@ -103,7 +103,3 @@ class BlockStore:
     def delete_all(self) -> None:
         shutil.rmtree(self.data_dir, ignore_errors=True)
         self.data_dir.mkdir(mode=0o700, exist_ok=True)
-
-    def disk_bytes(self) -> int:
-        """Disk space the data files really use (holes excluded)."""
-        return sum(p.stat().st_blocks * 512 for p in self.data_dir.rglob("*") if p.is_file())
