@@ -124,3 +124,15 @@ def cache_data_files(cache_dir: Path) -> list[Path]:
 def cache_disk_bytes(cache_dir: Path) -> int:
     """Disk space the cached blocks really use (holes of evicted blocks excluded)."""
     return sum(path.stat().st_blocks * 512 for path in cache_data_files(cache_dir))
+
+
+def wait_for_stats(spoke: SpokeMount, predicate: Any, timeout_s: float = 20.0) -> dict[str, Any]:
+    """Stats once `predicate(stats)` holds: blocks are written to the cache just after
+    they are served, so a test that looks at the cache waits (bounded) for the writer."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = spoke.stats()
+        if predicate(stats):
+            return stats
+        assert time.monotonic() < deadline, f"stats never satisfied the condition: {stats}"
+        time.sleep(0.05)

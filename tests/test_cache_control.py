@@ -12,7 +12,7 @@ import pytest
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE, source_files
 from hub_helpers import running_hub
-from mount_helpers import SpokeMount, cache_data_files, cache_disk_bytes, mounted_spoke, run_cachefs
+from mount_helpers import SpokeMount, cache_data_files, cache_disk_bytes, mounted_spoke, run_cachefs, wait_for_stats
 from test_mount import read_uncached
 
 # No read-ahead: every block a test reads is a demand access it can count.
@@ -162,7 +162,7 @@ def test_full_disk_keeps_serving_and_resumes_caching(hub, dataset: Path, tmp_pat
         assert spoke.log_text().count("until space returns") == 1
         assert run_cachefs("purge", "--all", spoke.mountpoint).returncode == 0
         read_all(spoke, dataset, ["shards/shard-002.bin"])
-        assert spoke.stats()["cached_bytes"] == TEST_BLOCK_SIZE  # caching again
+        wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == TEST_BLOCK_SIZE)  # caching again
         assert "disk space returned" in spoke.log_text()
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from conftest import SPOKE_ARGS
 from hub_helpers import hub_env
-from mount_helpers import mounted_spoke
+from mount_helpers import mounted_spoke, wait_for_stats
 from test_mount import read_uncached
 
 
@@ -37,8 +37,8 @@ def test_metrics_match_what_was_read(hub, dataset: Path, tmp_path: Path) -> None
         size = (dataset / relative).stat().st_size
         assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
         assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
+        stats = wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == size)
         metrics = scrape(port)
-        stats = spoke.stats()
     assert metrics["cachefs_read_bytes_total"] == 2 * size == stats["read_bytes"]
     assert metrics["cachefs_fetched_bytes_total"] == size == stats["fetched_bytes"]
     assert metrics["cachefs_block_hits_total"] == stats["block_hits"] > 0

@@ -8,7 +8,6 @@ import shutil
 import stat
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from hub_helpers import hub_env, running_hub
-from mount_helpers import SpokeMount, cache_data_files, cachefs_command, mounted_spoke, run_cachefs
+from mount_helpers import SpokeMount, cache_data_files, cachefs_command, mounted_spoke, run_cachefs, wait_for_stats
 from test_cli_errors import assert_clean_failure
 
 TOKEN = "s3cret-token-for-tests-0123456789"
@@ -133,10 +132,7 @@ def test_certificate_for_another_name_is_refused(dataset: Path, tmp_path: Path) 
 
 def test_cache_and_control_socket_are_private(spoke: SpokeMount) -> None:
     (spoke.mountpoint / "shards/shard-002.bin").read_bytes()
-    deadline = time.monotonic() + 20
-    while spoke.stats()["cached_blocks"] == 0:  # blocks are written just after they are served
-        assert time.monotonic() < deadline, "nothing was cached"
-        time.sleep(0.05)
+    wait_for_stats(spoke, lambda stats: stats["cached_blocks"] > 0)
     assert stat.S_IMODE(spoke.cache_dir.stat().st_mode) == 0o700
     assert stat.S_IMODE((spoke.cache_dir / "control.sock").stat().st_mode) == 0o600
     assert stat.S_IMODE((spoke.cache_dir / "cachefs.log").stat().st_mode) == 0o600
