@@ -5,7 +5,7 @@ Named databases:
   inodes    inode number -> attributes (namespace.py)
   names     parent inode + name -> inode (namespace.py)
   dirents   parent inode + position -> inode + name (namespace.py)
-  blocks    BlockKey -> length, checksum, insertion sequence (cache/index.py)
+  blocks    BlockKey -> length, insertion sequence, chunk checksums (cache/index.py)
   fifo      insertion sequence -> BlockKey, the eviction order (cache/index.py)
   pins      file id -> file size, files kept out of eviction (cache/block_cache.py)
 

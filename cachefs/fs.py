@@ -196,7 +196,7 @@ class CachefsOperations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=handle_id, keep_cache=True)
 
     @_guarded
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         handle = self._handles.get(fh)
         if handle is None:
             raise pyfuse3.FUSEError(errno.EBADF)

@@ -1,7 +1,7 @@
 """Split a file read into blocks: memory, then a flight, then the local cache, else the hub.
 
 This is the data path below FUSE: `read` -> `_block` -> memory | flight |
-cache.lookup | fetcher.fetch. Around it sits read-ahead:
+cache (page cache, else a disk read in a thread) | fetcher.fetch. Around it sits read-ahead:
 
 - Sequential readers get a per-handle window of blocks fetched ahead of
   them, in runs of up to `COALESCE_BLOCKS` per request. The window starts
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 
@@ -112,7 +113,7 @@ class Reader:
 
     # -- the read path ------------------------------------------------------------
 
-    async def read(self, handle: OpenFile, offset: int, size: int) -> bytes:
+    async def read(self, handle: OpenFile, offset: int, size: int) -> bytes | memoryview:
         """Up to `size` bytes at `offset` (short only at end of file)."""
         self._stats.reads += 1
         inode = handle.inode
@@ -124,7 +125,9 @@ class Reader:
         self._read_ahead(handle, offset, end, last)
         if first == last:
             base = first * self.block_size
-            return _as_bytes(await self._block(inode, first), offset - base, end - base)
+            if handle.sequential_reads < SEQUENTIAL_THRESHOLD and end - offset <= self.block_size // 4:
+                return await self._block_part(inode, first, offset - base, end - base)
+            return _view(await self._block(inode, first), offset - base, end - base)
         parts: dict[int, BlockData] = {}
         async with trio.open_nursery() as nursery:
             for blockno in range(first, last + 1):
@@ -141,13 +144,43 @@ class Reader:
 
     async def _block(self, inode: Inode, blockno: int) -> BlockData:
         key = BlockKey(inode.file_id, inode.version, blockno)
+        return await self._obtain(inode, key, self._note_used(key))
+
+    async def _block_part(self, inode: Inode, blockno: int, start: int, stop: int) -> bytes | memoryview:
+        """Bytes [start, stop) of a block, for a small random read.
+
+        When the block is cached but not in memory, only the chunks holding
+        the range are read from disk (and not kept in memory: a random reader
+        rarely comes back to the same block soon). Otherwise as `_block`.
+        """
+        key = BlockKey(inode.file_id, inode.version, blockno)
+        planned = self._note_used(key)
+        if planned is None and self._memory.get(key) is None and self._fetcher.flight(key) is None:
+            entry = self._cache.entry(key)
+            if entry is not None:
+                try:
+                    part = self._cache.read_part(key, entry, start, stop, nowait=True)
+                except BlockingIOError:
+                    read_part = functools.partial(self._cache.read_part, key, entry, start, stop)
+                    part = await trio.to_thread.run_sync(read_part, limiter=self._disk_readers)
+                if part is not None:
+                    self._stats.block_hits += 1
+                    return part
+        return _view(await self._obtain(inode, key, planned), start, stop)
+
+    def _note_used(self, key: BlockKey) -> BlockData | None:
+        """Tell the frequency sketch and the planner that a block is read; the planner may hand back its bytes."""
         self._cache.sketch.record(key)
+        if self._fetcher.prefetched.pop(key, False) is None:
+            self._stats.readahead_used += 1
+        return self.on_block(key) if self.on_block is not None else None
+
+    async def _obtain(self, inode: Inode, key: BlockKey, planned: BlockData | None) -> BlockData:
+        """A whole block: from memory, the planner, a flight, the cache, else the hub."""
         data = self._memory.get(key)
-        if self.on_block is not None:
-            planned = self.on_block(key)
-            if data is None and planned is not None:
-                data = planned
-                self._memory.put(key, data)
+        if data is None and planned is not None:
+            data = planned
+            self._memory.put(key, data)
         if data is None:
             flight = self._fetcher.flight(key)
             if flight is not None:
@@ -159,25 +192,36 @@ class Reader:
                         data = await flight.result()  # being fetched: wait for it, no second request
                     finally:
                         self._note_stall(trio.current_time() - started)
-            elif self._cache.contains(key):
-                # Off the trio thread: a cold page cache makes this a disk read,
-                # and several of them in parallel keep the NVMe busy.
-                data = await trio.to_thread.run_sync(self._cache.lookup, key, limiter=self._disk_readers)
+            else:
+                data = await self._cached(key)
             if data is not None:
                 self._memory.put(key, data)
-        if self._fetcher.prefetched.pop(key, False) is None:
-            self._stats.readahead_used += 1
         if data is not None:
             self._stats.block_hits += 1
             return data
         self._stats.block_misses += 1
         started = trio.current_time()
         try:
-            data = await self._fetcher.fetch(key, blockno * self.block_size, self._block_length(inode, blockno))
+            data = await self._fetcher.fetch(key, key.blockno * self.block_size, self._block_length(inode, key.blockno))
         finally:
             self._note_stall(trio.current_time() - started)
         self._memory.put(key, data)
         return data
+
+    async def _cached(self, key: BlockKey) -> BlockData | None:
+        """A block from the local cache, None if it is not there.
+
+        Read on the trio thread when its bytes are in the page cache (a
+        thread hop costs more than the copy); otherwise in a worker thread,
+        where several disk reads at once keep the NVMe busy.
+        """
+        entry = self._cache.entry(key)
+        if entry is None:
+            return None
+        try:
+            return self._cache.read(key, entry, nowait=True)
+        except BlockingIOError:
+            return await trio.to_thread.run_sync(self._cache.read, key, entry, limiter=self._disk_readers)
 
     def _note_stall(self, waited_s: float) -> None:
         self._stats.stall_seconds += waited_s
@@ -265,8 +309,8 @@ class Reader:
             self._queued.difference_update(queued)
 
 
-def _as_bytes(data: BlockData, start: int, stop: int) -> bytes:
-    """data[start:stop] as bytes, without a copy when that is all of a bytes block."""
-    if isinstance(data, bytes):
-        return data[start:stop]
-    return bytes(memoryview(data)[start:stop])
+def _view(data: BlockData, start: int, stop: int) -> bytes | memoryview:
+    """data[start:stop] without a copy (pyfuse3 copies it into the reply)."""
+    if isinstance(data, bytes) and start == 0 and stop == len(data):
+        return data
+    return memoryview(data)[start:stop]

@@ -10,11 +10,12 @@ import threading
 import time
 from pathlib import Path
 
+import lmdb
 import pytest
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE, source_files
 from hub_helpers import running_hub
-from mount_helpers import SpokeMount, cache_data_files, cache_disk_bytes, is_mounted, mounted_spoke
+from mount_helpers import SpokeMount, cache_data_files, cache_disk_bytes, is_mounted, mounted_spoke, wait_for_stats
 
 
 def read_uncached(path: Path, offset: int = 0, length: int | None = None, timings: list[float] | None = None) -> bytes:
@@ -221,6 +222,52 @@ def test_corrupt_cached_block_is_dropped_and_refetched(hub, dataset: Path, tmp_p
         stats = spoke.stats()
         assert stats["corrupt_blocks"] == 1
         assert stats["fetches"] == 1
+
+
+def test_small_reads_verify_the_chunks_they_read(hub, dataset: Path, tmp_path: Path) -> None:
+    """A small random read of a cached block reads and checks only its 64 KiB chunk:
+    a flipped byte in another chunk goes unnoticed by it, the read of the flipped
+    chunk drops the block and refetches it, and no wrong byte is ever returned."""
+    cache_dir = tmp_path / "cache"
+    relative = "shards/shard-000.bin"  # 3 MiB: blocks of 1 MiB, 16 chunks each
+    source = (dataset / relative).read_bytes()
+    args = ("--fetch-timeout", "5", "--prefetch-siblings", "0")
+    with mounted_spoke(hub.url, tmp_path, args, cache_dir=cache_dir) as spoke:
+        assert (spoke.mountpoint / relative).read_bytes() == source
+        wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == len(source))
+    [block_file] = cache_data_files(cache_dir)
+    flipped = 3 * 64 * 1024 + 100  # chunk 3 of block 0
+    with open(block_file, "r+b") as data_file:
+        data_file.seek(flipped)
+        byte = data_file.read(1)
+        data_file.seek(flipped)
+        data_file.write(bytes([byte[0] ^ 0xFF]))
+    with mounted_spoke(hub.url, tmp_path, args, cache_dir=cache_dir) as spoke:
+        path = spoke.mountpoint / relative
+        assert read_uncached(path, 5000, 4096) == source[5000:9096]  # chunk 0: clean
+        assert spoke.stats()["corrupt_blocks"] == 0
+        assert read_uncached(path, flipped - 50, 4096) == source[flipped - 50 : flipped - 50 + 4096]
+        stats = spoke.stats()
+        assert stats["corrupt_blocks"] == 1
+        assert stats["fetches"] == 1
+        assert read_uncached(path) == source
+
+
+def test_index_of_an_older_version_is_dropped_not_misread(hub, dataset: Path, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    relative = "shards/shard-001.bin"
+    with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS, cache_dir=cache_dir) as spoke:
+        assert (spoke.mountpoint / relative).read_bytes() == (dataset / relative).read_bytes()
+        wait_for_stats(spoke, lambda stats: stats["cached_bytes"] > 0)
+    env = lmdb.open(str(cache_dir / "index.lmdb"), max_dbs=8)
+    with env.begin(write=True, db=env.open_db(b"meta")) as txn:
+        txn.put(b"index_format", b"1")
+    env.close()
+    with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS, cache_dir=cache_dir) as spoke:
+        assert spoke.stats()["cached_bytes"] == 0
+        assert cache_data_files(cache_dir) == []
+        assert (spoke.mountpoint / relative).read_bytes() == (dataset / relative).read_bytes()
+    assert "from an older cachefs: dropped its" in (cache_dir / "cachefs.log").read_text()
 
 
 def test_sigterm_unmounts(hub, tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The block index in LMDB: which blocks are cached, their length, checksum and age."""
+"""The block index in LMDB: which blocks are cached, their length, checksums and age."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from collections.abc import Iterator
 from ..db import Database
 from .keys import BlockKey
 
-_ENTRY = struct.Struct(">IQQ")  # length, xxh3_64 checksum, insertion sequence
+# An entry: length and insertion sequence, then one xxh3_64 per chunk of the
+# block (see BlockCache), so a small read verifies only the chunks it reads.
+_ENTRY_HEAD = struct.Struct(">IQ")
 _SEQ = struct.Struct(">Q")
 _USED = b"used_bytes"
 _COUNT = b"block_count"
@@ -19,8 +21,16 @@ _NEXT_SEQ = b"next_seq"
 @dataclasses.dataclass(frozen=True, slots=True)
 class IndexEntry:
     length: int
-    checksum: int
     seq: int
+    chunk_sums: bytes  # 8 bytes (big-endian xxh3_64) per chunk
+
+    @classmethod
+    def unpack(cls, value: bytes) -> IndexEntry:
+        length, seq = _ENTRY_HEAD.unpack_from(value)
+        return cls(length, seq, value[_ENTRY_HEAD.size :])
+
+    def pack(self) -> bytes:
+        return _ENTRY_HEAD.pack(self.length, self.seq) + self.chunk_sums
 
 
 class BlockIndex:
@@ -32,23 +42,23 @@ class BlockIndex:
     def get(self, key: BlockKey) -> IndexEntry | None:
         with self._db.env.begin(db=self._db.blocks) as txn:
             value = txn.get(key.packed())
-        return IndexEntry(*_ENTRY.unpack(value)) if value is not None else None
+        return IndexEntry.unpack(value) if value is not None else None
 
-    def add(self, entries: list[tuple[BlockKey, int, int]]) -> None:
-        """Record blocks (key, length, checksum) whose data is already on disk.
+    def add(self, entries: list[tuple[BlockKey, int, bytes]]) -> None:
+        """Record blocks (key, length, chunk checksums) whose data is already on disk.
 
         One transaction, so one fsync for the whole batch; it is committed only
         after the block files were written.
         """
         with self._db.env.begin(write=True) as txn:
-            for key, length, checksum in entries:
+            for key, length, chunk_sums in entries:
                 packed = key.packed()
                 old = txn.get(packed, db=self._db.blocks)
                 if old is not None:
-                    self._forget(txn, packed, IndexEntry(*_ENTRY.unpack(old)))
+                    self._forget(txn, packed, IndexEntry.unpack(old))
                 seq = _counter(txn, self._db, _NEXT_SEQ)
                 txn.put(_NEXT_SEQ, _SEQ.pack(seq + 1), db=self._db.meta)
-                txn.put(packed, _ENTRY.pack(length, checksum, seq), db=self._db.blocks)
+                txn.put(packed, IndexEntry(length, seq, chunk_sums).pack(), db=self._db.blocks)
                 txn.put(_SEQ.pack(seq), packed, db=self._db.fifo)
                 _bump(txn, self._db, _USED, length)
                 _bump(txn, self._db, _COUNT, 1)
@@ -60,7 +70,7 @@ class BlockIndex:
             old = txn.get(packed, db=self._db.blocks)
             if old is None:
                 return 0
-            entry = IndexEntry(*_ENTRY.unpack(old))
+            entry = IndexEntry.unpack(old)
             self._forget(txn, packed, entry)
         return entry.length
 
@@ -83,7 +93,7 @@ class BlockIndex:
                 for packed, value in cursor:
                     if not packed.startswith(file_id):
                         break
-                    found.append((BlockKey.unpack(packed), _ENTRY.unpack(value)[0]))
+                    found.append((BlockKey.unpack(packed), IndexEntry.unpack(value).length))
         return found
 
     def iter_keys(self) -> Iterator[BlockKey]:

@@ -8,7 +8,7 @@ hole (fallocate), which returns its disk space at once.
 
 A block is written before its index entry is committed (block_cache.py);
 a block cut short by a crash has no entry, and every read is checked
-against the checksum in its entry, so a torn write is never served.
+against the checksums in its entry, so a torn write is never served.
 """
 
 from __future__ import annotations
@@ -48,14 +48,25 @@ class BlockStore:
     def path(self, file_id: bytes, version: bytes) -> Path:
         return self.data_dir / file_id.hex()[:2] / f"{file_id.hex()}-{version.hex()}"
 
-    def read(self, key: BlockKey, length: int) -> bytes | None:
-        """The block's bytes, or None if its data file is missing or short."""
+    def read(self, key: BlockKey, start: int, length: int, *, nowait: bool = False) -> BlockData | None:
+        """`length` bytes at `start` of the block, or None if its data file is missing or short.
+
+        With `nowait`, only bytes already in the page cache are read: if any
+        of them would need the disk, BlockingIOError is raised instead
+        (preadv2 RWF_NOWAIT), so the caller can read them in a worker thread.
+        """
         try:
             fd = os.open(self.path(key.file_id, key.version), os.O_RDONLY)
         except FileNotFoundError:
             return None
+        offset = key.blockno * self.block_size + start
         try:
-            data = os.pread(fd, length, key.blockno * self.block_size)
+            if nowait:
+                buffer = bytearray(length)
+                if os.preadv(fd, [buffer], offset, os.RWF_NOWAIT) != length:
+                    raise BlockingIOError(errno.EAGAIN, "partly on disk only")
+                return buffer
+            data = os.pread(fd, length, offset)
         finally:
             os.close(fd)
         return data if len(data) == length else None
