@@ -4,6 +4,9 @@ Every block received from the hub is checked against the xxh3-64 the hub
 computed for it (`/v1/files/{id}/checksums`), so a bit flipped or a body
 cut short anywhere on the way is detected and the block fetched again.
 The checksum request runs beside the data request: it adds no round trip.
+A request for a single block whose checksum is not known asks for it in
+the data answer's header instead (one request, not two: what a small file
+costs).
 """
 
 from __future__ import annotations
@@ -46,6 +49,17 @@ class BlockChecksums:
             sums.append(checksum)
         return sums
 
+    def known(self, first: BlockKey, count: int) -> list[int] | None:
+        """The remembered checksums of blocks first.blockno .. +count, None unless all are known."""
+        sums = [self._known.get((first.file_id, first.version, first.blockno + i)) for i in range(count)]
+        return None if None in sums else sums  # type: ignore[return-value]
+
+    def remember(self, first: BlockKey, sums: dict[int, int]) -> None:
+        """Checksums the hub sent beside data, by block number."""
+        for blockno, checksum in sums.items():
+            self._known[(first.file_id, first.version, blockno)] = checksum
+        self._trim()
+
     def forget(self, first: BlockKey, count: int) -> None:
         """Drop remembered checksums that disagreed with the data: either may have been damaged."""
         for blockno in range(first.blockno, first.blockno + count):
@@ -63,8 +77,11 @@ class BlockChecksums:
             sums = await self._client.get_checksums(file_id.hex(), version.hex(), self._block_size, first, SPAN_BLOCKS)
             for offset, checksum in enumerate(sums):
                 self._known[(file_id, version, first + offset)] = checksum
-            while len(self._known) > REMEMBERED:
-                self._known.popitem(last=False)
+            self._trim()
         finally:
             del self._spans_in_flight[flight_key]
             event.set()
+
+    def _trim(self) -> None:
+        while len(self._known) > REMEMBERED:
+            self._known.popitem(last=False)

@@ -29,6 +29,8 @@ RECEIVE_BYTES = 1 << 20  # receive up to 1 MiB per syscall: fewer wakeups per bl
 # lands in h11's buffer (bodies of ranges bypass it).
 RECEIVE_HEAD_BYTES = 16 * 1024
 _CONTENT_RANGE_RE = re.compile(rb"^bytes (\d+)-(\d+)/(\d+)$")
+SUMS_HEADER = b"cachefs-block-sums"  # see hubserver/checksums.py
+_SUMS_RE = re.compile(rb"bs=(\d{1,10}); first=(\d{1,12}); ([0-9a-f]{16}(?:,[0-9a-f]{16}){0,63})")
 
 
 class _Connection:
@@ -170,14 +172,21 @@ class HubClient:
                 body += chunk
         return parse_json(bytes(body))
 
-    async def get_range(self, file_id: str, version: str, start: int, lengths: Sequence[int]) -> list[bytearray]:
+    async def get_range(
+        self, file_id: str, version: str, start: int, lengths: Sequence[int], *, sums_block_size: int | None = None
+    ) -> tuple[list[bytearray], dict[int, int]]:
         """Bytes from `start` of one file version, as consecutive pieces of `lengths` bytes.
 
         One request; exactly those bytes or an error. Receiving into one
         buffer per piece (a block, for the cache) avoids copying them apart.
+        With `sums_block_size`, the hub also sends the checksums of the blocks
+        of that size the range overlaps: returned by block number (empty if
+        the answer had none).
         """
         length = sum(lengths)
         target = f"/v1/files/{file_id}?v={version}"
+        if sums_block_size is not None:
+            target += f"&bs={sums_block_size}"
         headers = [(b"Range", f"bytes={start}-{start + length - 1}".encode())]
         async with self._request(target, headers) as (response, conn):
             if response.status == 412:
@@ -193,7 +202,9 @@ class HubClient:
                 raise HubUnavailable(f"connection to hub {self.url} failed: {exc}") from None
             if received != length:
                 raise HubProtocolError(f"hub sent {received} of {length} bytes for file {file_id} at {start}")
-        return pieces
+            sums_header = response.headers.get(SUMS_HEADER)
+        sums = _parse_block_sums(sums_header, sums_block_size) if sums_header and sums_block_size else {}
+        return pieces, sums
 
     async def get_checksums(self, file_id: str, version: str, block_size: int, first: int, count: int) -> list[int]:
         """xxh3_64 of blocks [first, first+count) of one file version (fewer at the end of the file)."""
@@ -358,6 +369,17 @@ def _translate(exc: BaseException, url: HubURL) -> BaseException:
     if isinstance(exc, (OSError, trio.BrokenResourceError, trio.ClosedResourceError)):
         return HubUnavailable(f"connection to hub {url} failed: {exc}")
     return exc
+
+
+def _parse_block_sums(value: bytes, block_size: int) -> dict[int, int]:
+    """`bs=<n>; first=<block>; <hex>,<hex>...` -> {block number: checksum} (for blocks of `block_size`)."""
+    match = _SUMS_RE.fullmatch(value.strip())
+    if match is None:
+        raise HubProtocolError(f"hub sent a malformed {SUMS_HEADER.decode()} header")
+    if int(match.group(1)) != block_size:
+        return {}
+    first = int(match.group(2))
+    return {first + index: int(text, 16) for index, text in enumerate(match.group(3).split(b","))}
 
 
 def _check_content_range(value: bytes, start: int, length: int) -> None:

@@ -87,7 +87,7 @@ def make_app(config: HubConfig, auth: HubAuth | None = None) -> web.Application:
     add_get("/healthz", handlers.healthz, name=ENDPOINT_HEALTHZ)
     # No HEAD for the manifest: it would build and compress it for nothing.
     add_get("/v1/manifest", handlers.manifest, allow_head=False, name=ENDPOINT_MANIFEST)
-    add_get("/v1/files/{file_id}", handlers.file_data, name=ENDPOINT_FILES)
+    add_get("/v1/files/{file_id}", checksums.file_data, name=ENDPOINT_FILES)
     app[checksums.CHECKSUMS_KEY] = checksums.ChecksumCache()
     add_get("/v1/files/{file_id}/checksums", checksums.file_checksums, allow_head=False, name=ENDPOINT_CHECKSUMS)
     add_get("/metrics", handlers.metrics, name=ENDPOINT_METRICS)

@@ -45,7 +45,7 @@ _RANGE_RE: Final = re.compile(r"bytes=(\d*)-(\d*)", re.ASCII | re.IGNORECASE)
 # Byte positions fit in 63 bits; longer numbers are refused before int().
 _MAX_POSITION_DIGITS: Final = 19
 # Query parameters each endpoint accepts; anything else is a 400.
-_FILES_QUERY: Final = frozenset({"v"})
+_FILES_QUERY: Final = frozenset({"v", "bs"})  # bs: see checksums.file_data
 _NO_QUERY: Final = frozenset[str]()
 # Batch lines before compressing: one compress() call per line is slow.
 _RAW_BATCH_BYTES = 256 * 1024
@@ -288,9 +288,10 @@ class SnapshotFileResponse(web.FileResponse):
                 hdrs.ACCEPT_RANGES: "bytes",
             },
         )
+        self.record = record
         self.snapshot_etag = f'"{record.file_id}-{record.version}"'
         # Close the descriptor once sent, or when the response is dropped.
-        self._close_fd = weakref.finalize(self, os.close, fd)
+        self.close_fd = weakref.finalize(self, os.close, fd)
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
         """Send the file, honouring Range only, then close the descriptor.
@@ -304,7 +305,7 @@ class SnapshotFileResponse(web.FileResponse):
         try:
             return await super().prepare(request.clone(headers=headers))
         finally:
-            self._close_fd()
+            self.close_fd()
 
 
 async def restore_snapshot_etag(request: web.Request, response: web.StreamResponse) -> None:

@@ -48,3 +48,44 @@ def test_checksums_match_the_blocks(tmp_path: Path) -> None:
         assert get(base.replace(entry["i"], "f" * 16) + "&first=0&count=1")[0] == 404
         (tmp_path / "f.bin").write_bytes(data + b"changed")
         assert get(base + "&first=3&count=1")[0] == 412  # changed on disk since the scan
+
+
+def get_with_headers(url: str, range_header: str | None = None) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(url, headers={"Range": range_header} if range_header else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def test_data_answers_carry_the_sums_of_the_blocks_they_overlap(tmp_path: Path) -> None:
+    block = 64 * KiB
+    data = bytes(range(256)) * 1000 + b"tail"  # blocks 0-2 full, block 3 short
+    (tmp_path / "f.bin").write_bytes(data)
+    (tmp_path / "big.bin").write_bytes(bytes(70 * block))
+    with running_hub(tmp_path) as hub:
+        entries = manifest_files(hub.url)
+        entry = entries["f.bin"]
+        url = f"{hub.url}/v1/files/{entry['i']}?v={entry['v']}"
+        sums = [xxhash.xxh3_64_intdigest(data[b * block : (b + 1) * block]).to_bytes(8, "big").hex() for b in range(4)]
+
+        status, headers, body = get_with_headers(url + f"&bs={block}", f"bytes={block}-{2 * block - 1}")
+        assert status == 206 and body == data[block : 2 * block]
+        assert headers["Cachefs-Block-Sums"] == f"bs={block}; first=1; {sums[1]}"
+        # A range across blocks (as a cache's larger slice would ask): every block it overlaps.
+        status, headers, body = get_with_headers(url + f"&bs={block}", f"bytes=100-{3 * block + 5}")
+        assert status == 206 and body == data[100 : 3 * block + 6]
+        assert headers["Cachefs-Block-Sums"] == f"bs={block}; first=0; {','.join(sums)}"
+        status, headers, body = get_with_headers(url + f"&bs={block}")  # no Range: the whole file
+        assert status == 200 and body == data and headers["Cachefs-Block-Sums"].endswith(",".join(sums))
+
+        assert "Cachefs-Block-Sums" not in get_with_headers(url, "bytes=0-99")[1]  # not asked for
+        big = entries["big.bin"]
+        big_url = f"{hub.url}/v1/files/{big['i']}?v={big['v']}&bs={block}"
+        assert "Cachefs-Block-Sums" not in get_with_headers(big_url)[1]  # 70 blocks: too many for a header
+        for bad in ("&bs=1000", "&bs=100000", "&bs=x", f"&bs={block}&bs={block}"):
+            assert get_with_headers(url + bad, "bytes=0-99")[0] == 400, bad
+        assert get_with_headers(url + f"&bs={block}", "bytes=999999-")[0] == 416
+        (tmp_path / "f.bin").write_bytes(data + b"changed")
+        assert get_with_headers(url + f"&bs={block}", "bytes=0-99")[0] == 412

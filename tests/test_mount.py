@@ -14,7 +14,7 @@ import lmdb
 import pytest
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE, source_files
-from hub_helpers import running_hub
+from hub_helpers import running_hub, sample, scrape_metrics
 from mount_helpers import SpokeMount, cache_data_files, cache_disk_bytes, is_mounted, mounted_spoke, wait_for_stats
 
 
@@ -251,6 +251,24 @@ def test_small_reads_verify_the_chunks_they_read(hub, dataset: Path, tmp_path: P
         assert stats["corrupt_blocks"] == 1
         assert stats["fetches"] == 1
         assert read_uncached(path) == source
+
+
+def test_a_small_file_costs_one_request(dataset: Path, tmp_path: Path) -> None:
+    """Small files come with their block checksums in the data answer: no checksum requests."""
+    with running_hub(dataset) as hub, mounted_spoke(hub.url, tmp_path, SPOKE_ARGS) as spoke:
+        before = scrape_metrics(hub)
+        small = sorted((dataset / "small" / "dir 1").iterdir())
+        for path in small:
+            assert (spoke.mountpoint / path.relative_to(dataset)).read_bytes() == path.read_bytes()
+        after = scrape_metrics(hub)
+        stats = spoke.stats()
+
+    def requests(endpoint: str, status: str) -> float:
+        name = "cachefs_hub_requests_total"
+        return sample(after, name, endpoint=endpoint, status=status) - sample(before, name, endpoint=endpoint, status=status)
+
+    assert requests("files", "206") == stats["fetches"] >= len(small)  # each one fetched (siblings by prefetch)
+    assert requests("checksums", "200") == 0
 
 
 def test_index_of_an_older_version_is_dropped_not_misread(hub, dataset: Path, tmp_path: Path) -> None:

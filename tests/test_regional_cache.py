@@ -43,7 +43,7 @@ STOP_TIMEOUT_S = 10.0
 # The hub's access log: one line per request from its access logger, e.g.
 # `INFO hubserver.access: ... "GET /v1/files/<id>?v=<version> HTTP/1.1" 206 ...`.
 ACCESS_LINE = re.compile(r' INFO (\S+\.access): .*?"GET (\S+) HTTP/1\.1" (\d{3}) ')
-FILE_PATH = re.compile(r"/v1/files/([0-9a-f]{16})\?v=([0-9a-f]{16})")
+FILE_PATH = re.compile(r"/v1/files/([0-9a-f]{16})\?v=([0-9a-f]{16})(?:&bs=\d+)?")  # bs: sums asked for in a header
 
 
 def find_nginx() -> str:
