@@ -51,16 +51,21 @@ class ChecksumCache:
         self._sums: collections.OrderedDict[tuple[str, str, int, int], int] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def block_sums(self, snapshot: Snapshot, record: FileRecord, block_bytes: int, first: int, count: int) -> bytes:
-        """8-byte big-endian checksums of the blocks, computing the missing ones. Blocking."""
+    def block_sums(
+        self, snapshot: Snapshot, record: FileRecord, block_bytes: int, first: int, count: int, fd: int | None = None
+    ) -> bytes:
+        """8-byte big-endian checksums of the blocks, computing the missing ones. Blocking.
+
+        `fd`: a descriptor of the file from open_unchanged (already checked), else one is opened.
+        """
         last = min(first + count, -(-record.size_bytes // block_bytes))
         keys = [(record.file_id, record.version, block_bytes, block) for block in range(first, last)]
         with self._lock:
             known = {key: self._sums[key] for key in keys if key in self._sums}
         missing = [key for key in keys if key not in known]
         if missing:
-            known.update(self._compute(snapshot, record, block_bytes, missing))
-        elif not check_unchanged(snapshot, record):  # remembered sums are only good for the scanned file
+            known.update(self._compute(snapshot, record, block_bytes, missing, fd))
+        elif fd is None and not check_unchanged(snapshot, record):  # remembered sums are only good for the scanned file
             raise FileChangedError(f"{record.path!r} changed since the scan")
         with self._lock:
             for key in keys:
@@ -72,17 +77,14 @@ class ChecksumCache:
 
     @staticmethod
     def _compute(
-        snapshot: Snapshot, record: FileRecord, block_bytes: int, keys: list[tuple[str, str, int, int]]
+        snapshot: Snapshot, record: FileRecord, block_bytes: int, keys: list[tuple[str, str, int, int]], fd: int | None
     ) -> dict[tuple[str, str, int, int], int]:
-        fd = open_unchanged(snapshot, record)
+        source = open_unchanged(snapshot, record) if fd is None else fd
         try:
-            sums = {}
-            for key in keys:
-                data = os.pread(fd, block_bytes, key[3] * block_bytes)
-                sums[key] = xxhash.xxh3_64_intdigest(data)
-            return sums
+            return {key: xxhash.xxh3_64_intdigest(os.pread(source, block_bytes, key[3] * block_bytes)) for key in keys}
         finally:
-            os.close(fd)
+            if fd is None:
+                os.close(source)
 
 
 CHECKSUMS_KEY: Final = web.AppKey("checksums", ChecksumCache)
@@ -118,7 +120,7 @@ async def file_data(request: web.Request) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     try:
         sums = await loop.run_in_executor(
-            None, request.app[CHECKSUMS_KEY].block_sums, snapshot, record, block_bytes, first, stop - first
+            None, request.app[CHECKSUMS_KEY].block_sums, snapshot, record, block_bytes, first, stop - first, response.fd
         )
     except FileChangedError as exc:
         response.close_fd()

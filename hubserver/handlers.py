@@ -289,6 +289,7 @@ class SnapshotFileResponse(web.FileResponse):
             },
         )
         self.record = record
+        self.fd = fd  # open until sent (close_fd)
         self.snapshot_etag = f'"{record.file_id}-{record.version}"'
         # Close the descriptor once sent, or when the response is dropped.
         self.close_fd = weakref.finalize(self, os.close, fd)

@@ -268,32 +268,26 @@ def _matches(record: FileRecord, st: os.stat_result) -> bool:
     )
 
 
-def _inside_root(snapshot: Snapshot, path: bytes) -> bool:
-    real = os.path.realpath(path)
-    return real.startswith(snapshot.root_bytes.rstrip(b"/") + b"/")
-
-
 def check_unchanged(snapshot: Snapshot, record: FileRecord) -> bool:
     """True if the file on disk still is the one scanned: a regular file
-    inside the root with the same size, mtime and inode. Blocking."""
-    path = snapshot.abs_path(record)
+    with the same size, mtime, device and inode. Blocking."""
     try:
-        st = os.lstat(path)
+        st = os.lstat(snapshot.abs_path(record))
     except OSError:
         return False
-    return _matches(record, st) and _inside_root(snapshot, path)
+    return _matches(record, st)
 
 
 def open_unchanged(snapshot: Snapshot, record: FileRecord) -> int:
     """Open a file of the snapshot read-only and return the descriptor.
 
     The descriptor is checked with ``fstat`` after opening, so what it reads
-    is the very inode that was scanned inside the root, even if the path was
-    swapped meanwhile. Raises FileChangedError otherwise. Blocking.
+    is the very inode that was scanned inside the root (same device, inode,
+    size and mtime), even if the path or a directory above it was swapped
+    for a symlink meanwhile: no realpath walk is needed to stay inside the
+    root. Raises FileChangedError otherwise. Blocking.
     """
     path = snapshot.abs_path(record)
-    if not _inside_root(snapshot, path):
-        raise FileChangedError(f"{record.path!r} now resolves outside the root")
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except OSError as exc:
