@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mount.add_argument(
         "--prefetch-siblings", type=int, default=32, metavar="N",
-        help="opening a small file prefetches the next N files of its directory; 0 disables (default: 32)",
+        help="opening a small file prefetches the next N files in tree order, across directories; 0 disables (default: 32)",
     )
     mount.add_argument(
         "--fetch-timeout", type=float, default=30.0, metavar="SECONDS",

@@ -150,9 +150,42 @@ class Namespace:
                 names[entry.file_id] = label
         return names
 
-    def siblings_after(self, inode: Inode, count: int) -> list[Inode]:
-        """Up to `count` entries that follow `inode` in its directory."""
-        return [child for _next, _name, child in itertools.islice(self.readdir(inode.parent, inode.position + 1), count)]
+    def files_after(self, inode: Inode, count: int) -> list[Inode]:
+        """Up to `count` files that follow `inode` in a depth-first walk of the tree.
+
+        The rest of its directory, then the directories after it (and the
+        ones after its parent...): the order a loader reading a sorted tree
+        of small files goes in, across directory boundaries. At most
+        4 x `count` entries are looked at.
+        """
+        found: list[Inode] = []
+        budget = [4 * count]
+        node = inode
+        while len(found) < count and budget[0] > 0 and node.ino != ROOT_INODE:
+            self._collect_files(node.parent, node.position + 1, count, found, budget)
+            parent = self.get(node.parent)
+            if parent is None:
+                break
+            node = parent
+        return found
+
+    def _collect_files(self, directory: int, start: int, count: int, found: list[Inode], budget: list[int]) -> None:
+        """Files of `directory` from position `start` on, depth first, into `found`."""
+        while len(found) < count and budget[0] > 0:
+            # Read no more entries than could still be wanted (a read transaction
+            # is not held across the recursion into a subdirectory).
+            entries = list(itertools.islice(self.readdir(directory, start), min(budget[0], count - len(found))))
+            if not entries:
+                return
+            for next_position, _name, child in entries:
+                start = next_position
+                budget[0] -= 1
+                if child.is_file:
+                    found.append(child)
+                elif child.is_dir:
+                    self._collect_files(child.ino, 0, count, found, budget)
+                if len(found) >= count or budget[0] <= 0:
+                    return
 
     def summary(self) -> ManifestSummary | None:
         with self._db.env.begin(db=self._db.meta) as txn:

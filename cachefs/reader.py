@@ -7,9 +7,10 @@ cache (page cache, else a disk read in a thread) | fetcher.fetch. Around it sits
   them, in runs of up to `COALESCE_BLOCKS` per request. The window starts
   small, doubles while the reader keeps consuming it, and is dropped on a
   seek.
-- Opening a small file also prefetches the next files of its directory,
-  because datasets of small files are read in directory order far more
-  often than not, and each one would otherwise cost a round trip.
+- Opening a small file also prefetches the files after it in tree order
+  (the rest of its directory, then the next directories), because datasets
+  of small files are read in that order far more often than not, and each
+  one would otherwise cost a round trip.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ INITIAL_WINDOW_BLOCKS = 4
 # Cached blocks read from disk at once (worker threads): enough to overlap
 # the kernel's parallel readahead requests on NVMe.
 DISK_READ_THREADS = 8
+# Files remembered by sibling prefetch (see prefetch_siblings).
+SIBLINGS_REMEMBERED = 4096
 
 
 @dataclasses.dataclass
@@ -100,6 +103,8 @@ class Reader:
         self._nursery = nursery
         self._disk_readers = trio.CapacityLimiter(DISK_READ_THREADS)
         self._queued: set[BlockKey] = set()  # read-ahead asked for, not started yet
+        # Files asked for by sibling prefetch -> how many files after them were too.
+        self._siblings_ahead: collections.OrderedDict[int, int] = collections.OrderedDict()
         # Told of every block a reader asks for; may hand back its bytes (planner.py
         # follows a loader's plan with it and holds blocks prefetched along it).
         self.on_block: Callable[[BlockKey], BlockData | None] | None = None
@@ -264,12 +269,23 @@ class Reader:
         handle.prefetched_until = target
 
     def prefetch_siblings(self, inode: Inode) -> None:
-        """On open of a small file, fetch the files after it in its directory."""
-        if self._sibling_prefetch_files == 0 or inode.size > self.block_size:
+        """On open of a small file, fetch the files after it in tree order.
+
+        Skipped while the file was itself asked for by a recent walk with at
+        least half the lookahead still ahead of it: readers going through a
+        directory then walk once per half window, not once per file.
+        """
+        count = self._sibling_prefetch_files
+        if count == 0 or inode.size > self.block_size or self._siblings_ahead.get(inode.ino, 0) >= count // 2:
             return
-        for sibling in self._namespace.siblings_after(inode, self._sibling_prefetch_files):
-            if sibling.is_file and 0 < sibling.size <= self.block_size:
+        followers = self._namespace.files_after(inode, count)
+        for index, sibling in enumerate(followers):
+            self._siblings_ahead[sibling.ino] = len(followers) - 1 - index
+            self._siblings_ahead.move_to_end(sibling.ino)
+            if 0 < sibling.size <= self.block_size:
                 self._start_prefetch(OpenFile(sibling), 0, 1)
+        while len(self._siblings_ahead) > SIBLINGS_REMEMBERED:
+            self._siblings_ahead.popitem(last=False)
 
     def _start_prefetch(self, handle: OpenFile, first: int, stop: int) -> None:
         """Queue read-ahead of blocks [first, stop), unless they are cached, in flight or queued.

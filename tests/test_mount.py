@@ -271,6 +271,18 @@ def test_a_small_file_costs_one_request(dataset: Path, tmp_path: Path) -> None:
     assert requests("checksums", "200") == 0
 
 
+def test_opening_a_small_file_prefetches_the_files_after_it_across_directories(spoke: SpokeMount, dataset: Path) -> None:
+    """Sibling prefetch follows tree order: past the end of a directory into the next one."""
+    first_dir, next_dir = sorted((dataset / "small" / "dir 0").iterdir()), sorted((dataset / "small" / "dir 1").iterdir())
+    opened = first_dir[-2]
+    assert (spoke.mountpoint / opened.relative_to(dataset)).read_bytes() == opened.read_bytes()
+    wanted = [first_dir[-1], *next_dir[:8]]
+    stats = wait_for_stats(spoke, lambda stats: stats["readahead_fetches"] >= len(wanted) and stats["fetches"] >= 1 + len(wanted))
+    for path in wanted:  # prefetched (cached or on its way): not a miss
+        assert (spoke.mountpoint / path.relative_to(dataset)).read_bytes() == path.read_bytes()
+    assert spoke.stats()["block_misses"] == stats["block_misses"]
+
+
 def test_index_of_an_older_version_is_dropped_not_misread(hub, dataset: Path, tmp_path: Path) -> None:
     cache_dir = tmp_path / "cache"
     relative = "shards/shard-001.bin"
