@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import select
@@ -43,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument("--max-connections", type=int, default=64, help="concurrent connections to the hub (default: 64)")
     mount.add_argument(
         "--readahead-blocks", type=int, default=64,
-        help="largest read-ahead window of a sequential reader, in blocks; 0 disables read-ahead (default: 64)",
+        help="largest read-ahead window of a sequential reader, in blocks; 0 disables read-ahead "
+        "and the background fill of randomly read files (default: 64)",
     )
     mount.add_argument(
         "--prefetch-siblings", type=int, default=32, metavar="N",
@@ -183,11 +185,14 @@ def _mount(args: argparse.Namespace, argv: list[str]) -> int:
     ready = os.fdopen(args.ready_fd, "w")
 
     def notify(message: str) -> None:
-        ready.write(message + "\n")
-        ready.flush()
+        """Tell the parent (mount readiness or a start-up error); it is gone once the mount was up."""
+        with contextlib.suppress(OSError, ValueError):
+            ready.write(message + "\n")
+            ready.flush()
 
     status = _run_foreground(config, notify)
-    ready.close()
+    with contextlib.suppress(OSError):
+        ready.close()
     return status
 
 

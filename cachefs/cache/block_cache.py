@@ -205,6 +205,10 @@ class BlockCache:
             self.store.delete(key)
             self._stats.evicted_blocks += 1
 
+    def free_bytes(self) -> int:
+        """Room left under the size limit (and the disk reserve, once the disk was found full)."""
+        return max(0, self._limit_bytes() - self.index.used_bytes())
+
     def remove(self, key: BlockKey) -> None:
         self.index.remove(key)
         self.store.delete(key)
