@@ -6,7 +6,8 @@ cache (page cache, else a disk read in a thread) | fetcher.fetch. Around it sits
 - Sequential readers get a per-handle window of blocks fetched ahead of
   them, in runs of up to `COALESCE_BLOCKS` per request. The window starts
   small, doubles while the reader keeps consuming it, and is dropped on a
-  seek.
+  seek. When the window reaches the end of a large file, the head of the
+  next large file in tree order is asked for too.
 - A large file read at random offsets (shuffled samples from a shard) is
   filled in the background, whole, at read-ahead priority, once it has had
   `FILL_AFTER_RANDOM_READS` random reads, if it fits in the cache's free
@@ -41,7 +42,11 @@ COALESCE_BLOCKS = 4
 # Sequential reads in a row before read-ahead starts (the first read of a
 # file says nothing about the next).
 SEQUENTIAL_THRESHOLD = 2
-INITIAL_WINDOW_BLOCKS = 4
+# A read this close to where the last one ended still continues the stream:
+# the kernel's readahead sends several requests at once, and they arrive out
+# of order (treating that as a seek reset the window again and again).
+REORDER_BLOCKS = 4
+INITIAL_WINDOW_BLOCKS = 8
 # Cached blocks read from disk at once (worker threads): enough to overlap
 # the kernel's parallel readahead requests on NVMe.
 DISK_READ_THREADS = 8
@@ -64,6 +69,7 @@ class OpenFile:
     sequential_reads: int = 0
     window_blocks: int = 0
     prefetched_until: int = 0  # first block not yet asked for by read-ahead
+    next_file_asked: bool = False  # the window reached the end: the next file's head was asked for
     closed: bool = False
 
 
@@ -260,14 +266,16 @@ class Reader:
         """Track sequential access; keep the window of blocks ahead of `last_block` asked for."""
         if self.planned is not None and self.planned(handle.inode):
             return
-        if offset == handle.next_offset:
+        slack = REORDER_BLOCKS * self.block_size
+        if handle.next_offset - slack <= offset <= handle.next_offset + slack:
             handle.sequential_reads += 1
+            handle.next_offset = max(handle.next_offset, end)
         else:
             handle.sequential_reads = 1
             handle.window_blocks = 0
             handle.prefetched_until = 0
+            handle.next_offset = end
             self._note_random_read(handle.inode)
-        handle.next_offset = end
         if handle.sequential_reads < SEQUENTIAL_THRESHOLD or self._max_window_blocks == 0:
             return
         if handle.window_blocks == 0:
@@ -275,14 +283,29 @@ class Reader:
         elif last_block < handle.prefetched_until:
             # The reader is consuming what was read ahead: it keeps up, so grow.
             handle.window_blocks = min(handle.window_blocks * 2, self._max_window_blocks)
+        overflow = last_block + 1 + handle.window_blocks - self._blocks_in(handle.inode)
+        if overflow > 0 and not handle.next_file_asked:
+            handle.next_file_asked = True
+            self._read_ahead_next_file(handle.inode, overflow)
         target = min(last_block + 1 + handle.window_blocks, self._blocks_in(handle.inode))
         start = max(last_block + 1, handle.prefetched_until)
-        # Ask in whole runs, and only once half a window has been consumed.
-        if target - start < max(1, handle.window_blocks // 2):
+        # Ask in whole runs, as soon as a run's worth of the window is free.
+        if target - start < min(COALESCE_BLOCKS, handle.window_blocks):
             return
         for run_start in range(start, target, COALESCE_BLOCKS):
             self._start_prefetch(handle, run_start, min(run_start + COALESCE_BLOCKS, target))
         handle.prefetched_until = target
+
+    def _read_ahead_next_file(self, inode: Inode, blocks: int) -> None:
+        """A sequential reader near the end of a large file: ask for the head of the next
+        large file in tree order (shards are streamed one after the other), so the
+        link does not drain and ramp up again at every file boundary."""
+        for following in self._namespace.files_after(inode, 1):
+            if following.size > self.block_size * COALESCE_BLOCKS and (self.planned is None or not self.planned(following)):
+                handle = OpenFile(following)
+                stop = min(max(blocks, COALESCE_BLOCKS), self._blocks_in(following))
+                for run_start in range(0, stop, COALESCE_BLOCKS):
+                    self._start_prefetch(handle, run_start, min(run_start + COALESCE_BLOCKS, stop))
 
     # -- background fill of randomly read files ------------------------------------
 

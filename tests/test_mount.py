@@ -287,17 +287,14 @@ def test_a_large_file_read_at_random_is_filled_in_the_background(hub, dataset: P
     relative = "shards/shard-000.bin"  # 3 MiB + 17: 49 blocks of 64 KiB
     source = (dataset / relative).read_bytes()
     with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS) as spoke:
-        rng = random.Random(7)
-        for _ in range(4):  # FILL_AFTER_RANDOM_READS
-            offset = rng.randrange(len(source) - 4096)
+        for offset in (2_900_000, 500_000, 2_000_000, 1_200_000):  # FILL_AFTER_RANDOM_READS reads, far apart: random
             assert read_uncached(spoke.mountpoint / relative, offset, 4096) == source[offset : offset + 4096]
         stats = wait_for_stats(spoke, lambda stats: stats["cached_bytes"] >= len(source))
         assert stats["block_misses"] <= 4 and stats["readahead_fetches"] >= 45
         assert read_uncached(spoke.mountpoint / relative) == source
         assert spoke.stats()["block_misses"] == stats["block_misses"]
     with mounted_spoke(hub.url, tmp_path, (*SPOKE_ARGS, "--cache-size", "1M"), name="small-cache") as spoke:
-        for _ in range(8):  # the file does not fit: no fill
-            offset = rng.randrange(len(source) - 4096)
+        for offset in (2_900_000, 500_000, 2_000_000, 1_200_000, 3_000_000, 400_000):  # the file does not fit: no fill
             assert read_uncached(spoke.mountpoint / relative, offset, 4096) == source[offset : offset + 4096]
         time.sleep(0.5)
         assert spoke.stats()["readahead_fetches"] == 0
