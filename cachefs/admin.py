@@ -21,7 +21,7 @@ from .errors import CachefsError, HubError
 from .fetcher import Fetcher
 from .metrics import Stats
 from .namespace import Inode, Namespace
-from .reader import COALESCE_BLOCKS
+from .readahead import COALESCE_BLOCKS
 
 log = logging.getLogger(__name__)
 

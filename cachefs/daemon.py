@@ -160,7 +160,7 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
                               cache_dir=config.cache_dir)
             await nursery.start(planner.run)
             reader.on_block = planner.observe
-            reader.planned = planner.covers
+            reader.readahead.planned = planner.covers
             cache.advisor = planner
             admin = Admin(config, namespace, cache, fetcher, stats, reader.forget_memory)
             admin.add_section("training", planner.snapshot)

@@ -22,7 +22,8 @@ import pyfuse3
 from .errors import HubError, RemoteFileChanged
 from .metrics import READ_DURATION, Stats
 from .namespace import KIND_DIR, KIND_FILE, Inode, Namespace
-from .reader import OpenFile, Reader
+from .readahead import OpenFile
+from .reader import Reader
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +192,7 @@ class CachefsOperations(pyfuse3.Operations):
         handle_id = self._next_handle
         self._next_handle += 1
         self._handles[handle_id] = OpenFile(entry)
-        self._reader.prefetch_siblings(entry)
+        self._reader.readahead.prefetch_siblings(entry)
         # The snapshot's bytes never change under this mount: keep the page cache.
         return pyfuse3.FileInfo(fh=handle_id, keep_cache=True)
 

@@ -67,7 +67,7 @@ from .errors import CachefsError
 from .fetcher import Fetcher
 from .metrics import Stats
 from .namespace import Inode, Namespace
-from .reader import COALESCE_BLOCKS
+from .readahead import COALESCE_BLOCKS
 from .training_stats import TrainingStats
 
 log = logging.getLogger(__name__)

@@ -37,13 +37,14 @@ def test_metrics_match_what_was_read(hub, dataset: Path, tmp_path: Path) -> None
         size = (dataset / relative).stat().st_size
         assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
         assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
-        stats = wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == size)
+        # Read-ahead may also have asked for the head of the next shard: all of it written.
+        stats = wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == stats["fetched_bytes"] >= size)
         metrics = scrape(port)
     assert metrics["cachefs_read_bytes_total"] == 2 * size == stats["read_bytes"]
-    assert metrics["cachefs_fetched_bytes_total"] == size == stats["fetched_bytes"]
+    assert metrics["cachefs_fetched_bytes_total"] == stats["fetched_bytes"]
     assert metrics["cachefs_block_hits_total"] == stats["block_hits"] > 0
     assert metrics["cachefs_block_misses_total"] == stats["block_misses"]
-    assert metrics["cachefs_cache_used_bytes"] == size
+    assert metrics["cachefs_cache_used_bytes"] == stats["cached_bytes"]
     assert metrics["cachefs_cache_capacity_bytes"] == 10 * 2**30
     assert metrics["cachefs_read_duration_seconds_count"] == stats["reads"]
     assert metrics["cachefs_fetch_duration_seconds_count"] == stats["fetches"]

@@ -1,0 +1,274 @@
+"""Read-ahead: fetching what readers will want next before they ask.
+
+- Sequential readers get a per-handle window of blocks fetched ahead of
+  them, in runs of up to `COALESCE_BLOCKS` per request. The window starts
+  small, doubles while the reader keeps consuming it, and is dropped on a
+  seek. When the window reaches the end of a large file, the head of the
+  next large file in tree order is asked for too.
+- A large file read at random offsets (shuffled samples from a shard) is
+  filled in the background, whole, at read-ahead priority, once it has had
+  `FILL_AFTER_RANDOM_READS` random reads, if it fits in the cache's free
+  room: random readers cannot be predicted, but their file can be fetched
+  at link speed instead of one round trip per sample.
+- Opening a small file also prefetches the files after it in tree order
+  (the rest of its directory, then the next directories), because datasets
+  of small files are read in that order far more often than not, and each
+  one would otherwise cost a round trip.
+
+All of it runs at read-ahead priority, under the fetcher's `prefetch_slots`
+(demand misses always find a connection). The window, the next file and the
+fill stay off for files a loader's plan covers (planner.py knows what comes
+next).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator
+
+import trio
+
+from .cache import BlockCache, BlockKey
+from .fetcher import Fetcher
+from .metrics import Stats
+from .namespace import Inode, Namespace
+
+log = logging.getLogger(__name__)
+
+# Blocks per read-ahead request: 4 x 1 MiB keeps 64 MiB in flight on 16
+# connections, which a 60 ms RTT link needs to carry 1 GB/s.
+COALESCE_BLOCKS = 4
+# Sequential reads in a row before read-ahead starts (the first read of a
+# file says nothing about the next).
+SEQUENTIAL_THRESHOLD = 2
+# Once a stream is established, a read this close to where it stands still
+# continues it: the kernel's readahead sends several requests at once, and
+# they arrive out of order (treating that as a seek reset the window again
+# and again). A stream only starts with a read exactly where the last ended,
+# so random readers do not start one by chance.
+REORDER_BLOCKS = 4
+INITIAL_WINDOW_BLOCKS = 8
+# Files remembered by sibling prefetch (see prefetch_siblings).
+SIBLINGS_REMEMBERED = 4096
+# Random reads of a large file before it is filled in the background, and
+# the read-ahead runs all fills together keep in flight (8 x 4 MiB: ~500 MB/s
+# at 60 ms; read-ahead's limit on connections applies too).
+FILL_AFTER_RANDOM_READS = 4
+FILL_RUNS_IN_FLIGHT = 8
+RANDOM_READS_REMEMBERED = 4096
+
+
+@dataclasses.dataclass
+class OpenFile:
+    """Per-handle read-ahead state."""
+
+    inode: Inode
+    next_offset: int = 0
+    sequential_reads: int = 0
+    window_blocks: int = 0
+    prefetched_until: int = 0  # first block not yet asked for by read-ahead
+    next_file_asked: bool = False  # the window reached the end: the next file's head was asked for
+    closed: bool = False
+
+
+class ReadAhead:
+    """The read-ahead policies of one mount (sequential window, next file, random fill, siblings)."""
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        cache: BlockCache,
+        fetcher: Fetcher,
+        stats: Stats,
+        *,
+        block_size: int,
+        readahead_blocks: int,
+        sibling_prefetch_files: int,
+        nursery: trio.Nursery,
+    ) -> None:
+        self._namespace = namespace
+        self._cache = cache
+        self._fetcher = fetcher
+        self._stats = stats
+        self.block_size = block_size
+        self._max_window_blocks = readahead_blocks
+        self._sibling_prefetch_files = sibling_prefetch_files
+        self._nursery = nursery
+        self._queued: set[BlockKey] = set()  # read-ahead asked for, not started yet
+        # Files asked for by sibling prefetch -> how many files after them were too.
+        self._siblings_ahead: collections.OrderedDict[int, int] = collections.OrderedDict()
+        # Large files -> random reads seen (until filled), and the files being filled.
+        self._random_reads: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._filling: set[int] = set()
+        self._filled: collections.OrderedDict[int, None] = collections.OrderedDict()  # fills that completed
+        self._fill_slots = trio.Semaphore(FILL_RUNS_IN_FLIGHT)
+        # Whether a loader's plan covers a file: then the plan's prefetch, which
+        # knows what comes next, replaces these guesses.
+        self.planned: Callable[[Inode], bool] | None = None
+
+    def on_read(self, handle: OpenFile, offset: int, end: int, last_block: int) -> None:
+        """Every read, before it is served: track the stream; keep the window ahead of `last_block` asked for."""
+        if self.planned is not None and self.planned(handle.inode):
+            return
+        slack = REORDER_BLOCKS * self.block_size if handle.sequential_reads >= SEQUENTIAL_THRESHOLD else 0
+        if handle.next_offset - slack <= offset <= handle.next_offset + slack:
+            handle.sequential_reads += 1
+            handle.next_offset = max(handle.next_offset, end)
+        else:
+            handle.sequential_reads = 1
+            handle.window_blocks = 0
+            handle.prefetched_until = 0
+            handle.next_offset = end
+            self._note_random_read(handle.inode)
+        if handle.sequential_reads < SEQUENTIAL_THRESHOLD or self._max_window_blocks == 0:
+            return
+        if handle.window_blocks == 0:
+            handle.window_blocks = min(INITIAL_WINDOW_BLOCKS, self._max_window_blocks)
+        elif last_block < handle.prefetched_until:
+            # The reader is consuming what was read ahead: it keeps up, so grow.
+            handle.window_blocks = min(handle.window_blocks * 2, self._max_window_blocks)
+        overflow = last_block + 1 + handle.window_blocks - self._blocks_in(handle.inode)
+        if overflow > 0 and not handle.next_file_asked:
+            handle.next_file_asked = True
+            self._read_ahead_next_file(handle.inode, overflow)
+        target = min(last_block + 1 + handle.window_blocks, self._blocks_in(handle.inode))
+        start = max(last_block + 1, handle.prefetched_until)
+        # Ask in whole runs, as soon as a run's worth of the window is free.
+        if target - start < min(COALESCE_BLOCKS, handle.window_blocks):
+            return
+        for run_start in range(start, target, COALESCE_BLOCKS):
+            run_stop = min(run_start + COALESCE_BLOCKS, target)
+            if not self._start_prefetch(handle, run_start, run_stop):
+                # Nothing to fetch: have the disk read the cached run ahead instead, so
+                # the reads get to it in the page cache (on the event loop, no thread).
+                self._cache.store.will_need(handle.inode.file_id, handle.inode.version, run_start, run_stop)
+        handle.prefetched_until = target
+
+    def _read_ahead_next_file(self, inode: Inode, blocks: int) -> None:
+        """A sequential reader near the end of a large file: ask for the head of the next
+        large file in tree order (shards are streamed one after the other), so the
+        link does not drain and ramp up again at every file boundary."""
+        for following in self._namespace.files_after(inode, 1):
+            if following.size > self.block_size * COALESCE_BLOCKS and (self.planned is None or not self.planned(following)):
+                handle = OpenFile(following)
+                stop = min(max(blocks, COALESCE_BLOCKS), self._blocks_in(following))
+                for run_start in range(0, stop, COALESCE_BLOCKS):
+                    self._start_prefetch(handle, run_start, min(run_start + COALESCE_BLOCKS, stop))
+
+    # -- background fill of randomly read files ------------------------------------
+
+    def _note_random_read(self, inode: Inode) -> None:
+        """Count a random read of a large file; start filling it after enough of them."""
+        if self._max_window_blocks == 0 or inode.size <= self.block_size * COALESCE_BLOCKS:
+            return  # read-ahead off, or a small file
+        if inode.ino in self._filling or inode.ino in self._filled:
+            return
+        count = self._random_reads.pop(inode.ino, 0) + 1
+        if count < FILL_AFTER_RANDOM_READS:
+            self._random_reads[inode.ino] = count
+            while len(self._random_reads) > RANDOM_READS_REMEMBERED:
+                self._random_reads.popitem(last=False)
+            return
+        if self._cache.free_bytes() < inode.size:
+            return  # filling would only displace what the cache holds (it tries again later)
+        self._filling.add(inode.ino)
+        self._nursery.start_soon(self._fill, inode)
+
+    async def _fill(self, inode: Inode) -> None:
+        """Fetch every block of a file not cached, in runs, at read-ahead priority."""
+        handle = OpenFile(inode)
+        log.debug("filling %s (%d bytes) in the background: it is read at random", inode.ino, inode.size)
+        try:
+            async with trio.open_nursery() as runs:
+                for run_start in range(0, self._blocks_in(inode), COALESCE_BLOCKS):
+                    if self._cache.free_bytes() < COALESCE_BLOCKS * self.block_size:
+                        log.debug("stopped filling %s: the cache is full", inode.ino)
+                        return
+                    await self._fill_slots.acquire()
+                    runs.start_soon(self._fill_run, handle, run_start)
+            self._filled[inode.ino] = None
+            while len(self._filled) > RANDOM_READS_REMEMBERED:
+                self._filled.popitem(last=False)
+        finally:
+            self._filling.discard(inode.ino)
+
+    async def _fill_run(self, handle: OpenFile, first: int) -> None:
+        try:
+            stop = min(first + COALESCE_BLOCKS, self._blocks_in(handle.inode))
+            keys = [BlockKey(handle.inode.file_id, handle.inode.version, b) for b in range(first, stop)]
+            self._queued.update(keys)
+            await self._prefetch_run(handle, first, stop, keys)
+        finally:
+            self._fill_slots.release()
+
+    # -- sibling prefetch -------------------------------------------------------------
+
+    def prefetch_siblings(self, inode: Inode) -> None:
+        """On open of a small file, fetch the files after it in tree order.
+
+        Skipped while the file was itself asked for by a recent walk with at
+        least half the lookahead still ahead of it: readers going through a
+        directory then walk once per half window, not once per file.
+        """
+        count = self._sibling_prefetch_files
+        if count == 0 or inode.size > self.block_size or self._siblings_ahead.get(inode.ino, 0) >= count // 2:
+            return
+        followers = self._namespace.files_after(inode, count)
+        for index, sibling in enumerate(followers):
+            self._siblings_ahead[sibling.ino] = len(followers) - 1 - index
+            self._siblings_ahead.move_to_end(sibling.ino)
+            if 0 < sibling.size <= self.block_size:
+                self._start_prefetch(OpenFile(sibling), 0, 1)
+        while len(self._siblings_ahead) > SIBLINGS_REMEMBERED:
+            self._siblings_ahead.popitem(last=False)
+
+    def _start_prefetch(self, handle: OpenFile, first: int, stop: int) -> bool:
+        """Queue read-ahead of blocks [first, stop), unless they are cached, in flight or queued.
+
+        The check comes before queueing: opening many small files in one
+        directory asks for the same siblings again and again. Returns
+        whether anything was queued.
+        """
+        keys = [BlockKey(handle.inode.file_id, handle.inode.version, b) for b in range(first, stop)]
+        if all(k in self._queued or self._fetcher.flight(k) is not None or self._cache.contains(k) for k in keys):
+            return False
+        self._queued.update(keys)
+        self._nursery.start_soon(self._prefetch_run, handle, first, stop, keys)
+        return True
+
+    async def _prefetch_run(self, handle: OpenFile, first: int, stop: int, queued: list[BlockKey]) -> None:
+        """Fetch the blocks of [first, stop) that are neither cached nor in flight (contiguous runs, one request each)."""
+        try:
+            async with self._fetcher.prefetch_slots:
+                if handle.closed:
+                    return
+                for run_first, keys, lengths in self._missing_runs(handle.inode, first, stop):
+                    self._stats.readahead_fetches += len(keys)
+                    if not await self._fetcher.prefetch(keys, run_first * self.block_size, lengths):
+                        log.debug("read-ahead of %s failed", keys[0])
+        finally:
+            self._queued.difference_update(queued)
+
+    def _missing_runs(self, inode: Inode, first: int, stop: int) -> Iterator[tuple[int, list[BlockKey], list[int]]]:
+        """Contiguous runs of blocks neither cached nor in flight, each checked just before it is yielded."""
+        blockno = first
+        while blockno < stop:
+            run_first, keys, lengths = blockno, [], []
+            while blockno < stop:
+                key = BlockKey(inode.file_id, inode.version, blockno)
+                if self._fetcher.flight(key) is not None or self._cache.contains(key):
+                    break
+                keys.append(key)
+                lengths.append(self._block_length(inode, blockno))
+                blockno += 1
+            if keys:
+                yield run_first, keys, lengths
+            blockno += 1  # past the cached (or in-flight) block that ended the run
+
+    def _block_length(self, inode: Inode, blockno: int) -> int:
+        return min(self.block_size, inode.size - blockno * self.block_size)
+
+    def _blocks_in(self, inode: Inode) -> int:
+        return (inode.size + self.block_size - 1) // self.block_size
