@@ -8,8 +8,9 @@
 - A large file read at random offsets (shuffled samples from a shard) is
   filled in the background, whole, at read-ahead priority, once it has had
   `FILL_AFTER_RANDOM_READS` random reads, if it fits in the cache's free
-  room: random readers cannot be predicted, but their file can be fetched
-  at link speed instead of one round trip per sample.
+  room beside the other fills under way (so a fill never displaces cached
+  blocks): random readers cannot be predicted, but their file can be
+  fetched at link speed instead of one round trip per sample.
 - Opening a small file also prefetches the files after it in tree order
   (the rest of its directory, then the next directories), because datasets
   of small files are read in that order far more often than not, and each
@@ -102,6 +103,7 @@ class ReadAhead:
         # Large files -> random reads seen (until filled), and the files being filled.
         self._random_reads: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._filling: set[int] = set()
+        self._fill_reserved = 0  # bytes of the files being filled: each fill must fit beside the others
         self._filled: collections.OrderedDict[int, None] = collections.OrderedDict()  # fills that completed
         self._fill_slots = trio.Semaphore(FILL_RUNS_IN_FLIGHT)
         # Whether a loader's plan covers a file: then the plan's prefetch, which
@@ -171,9 +173,10 @@ class ReadAhead:
             while len(self._random_reads) > RANDOM_READS_REMEMBERED:
                 self._random_reads.popitem(last=False)
             return
-        if self._cache.free_bytes() < inode.size:
-            return  # filling would only displace what the cache holds (it tries again later)
+        if self._cache.free_bytes() - self._fill_reserved < inode.size:
+            return  # it would not fit beside the fills under way: it would only displace what is cached
         self._filling.add(inode.ino)
+        self._fill_reserved += inode.size
         self._nursery.start_soon(self._fill, inode)
 
     async def _fill(self, inode: Inode) -> None:
@@ -193,6 +196,7 @@ class ReadAhead:
                 self._filled.popitem(last=False)
         finally:
             self._filling.discard(inode.ino)
+            self._fill_reserved -= inode.size
 
     async def _fill_run(self, handle: OpenFile, first: int) -> None:
         try:
