@@ -42,15 +42,17 @@ log = logging.getLogger(__name__)
 # connections, which a 60 ms RTT link needs to carry 1 GB/s.
 COALESCE_BLOCKS = 4
 # Sequential reads in a row before read-ahead starts (the first read of a
-# file says nothing about the next).
-SEQUENTIAL_THRESHOLD = 2
+# file says nothing about the next, and two random samples that happen to be
+# adjacent do not make a stream: with 2, a loader's chance pairs set off
+# read-ahead that the cache then had to make room for).
+SEQUENTIAL_THRESHOLD = 3
 # Once a stream is established, a read this close to where it stands still
 # continues it: the kernel's readahead sends several requests at once, and
 # they arrive out of order (treating that as a seek reset the window again
 # and again). A stream only starts with a read exactly where the last ended,
 # so random readers do not start one by chance.
 REORDER_BLOCKS = 4
-INITIAL_WINDOW_BLOCKS = 8
+INITIAL_WINDOW_BLOCKS = 4
 # Files remembered by sibling prefetch (see prefetch_siblings).
 SIBLINGS_REMEMBERED = 4096
 # Random reads of a large file before it is filled in the background, and
@@ -141,11 +143,7 @@ class ReadAhead:
         if target - start < min(COALESCE_BLOCKS, handle.window_blocks):
             return
         for run_start in range(start, target, COALESCE_BLOCKS):
-            run_stop = min(run_start + COALESCE_BLOCKS, target)
-            if not self._start_prefetch(handle, run_start, run_stop):
-                # Nothing to fetch: have the disk read the cached run ahead instead, so
-                # the reads get to it in the page cache (on the event loop, no thread).
-                self._cache.store.will_need(handle.inode.file_id, handle.inode.version, run_start, run_stop)
+            self._start_prefetch(handle, run_start, min(run_start + COALESCE_BLOCKS, target))
         handle.prefetched_until = target
 
     def _read_ahead_next_file(self, inode: Inode, blocks: int) -> None:

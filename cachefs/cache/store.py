@@ -71,19 +71,6 @@ class BlockStore:
             os.close(fd)
         return data if len(data) == length else None
 
-    def will_need(self, file_id: bytes, version: bytes, first: int, stop: int) -> None:
-        """Start reading blocks [first, stop) of a data file into the page cache (not waiting for it)."""
-        try:
-            fd = os.open(self.path(file_id, version), os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.posix_fadvise(fd, first * self.block_size, (stop - first) * self.block_size, os.POSIX_FADV_WILLNEED)
-        except OSError as exc:
-            log.debug("readahead advice on %s failed: %s", file_id.hex(), exc)
-        finally:
-            os.close(fd)
-
     def write(self, key: BlockKey, data: BlockData) -> None:
         """Write a block in place (raises OSError, e.g. ENOSPC)."""
         path = self.path(key.file_id, key.version)
