@@ -36,6 +36,7 @@ from .metrics import Stats, serve_metrics, training_gauges
 from .mountpoints import find_mount
 from .namespace import Namespace, NamespaceChanges
 from .planner import Planner
+from .readahead import ReadAhead
 from .reader import Reader
 from .snapshots import Snapshots
 
@@ -145,22 +146,22 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(fetcher.run_writer)
-            reader = Reader(
+            readahead = ReadAhead(
                 namespace,
                 cache,
                 fetcher,
                 stats,
                 block_size=config.block_size_bytes,
-                memory_blocks=config.memory_blocks,
                 readahead_blocks=config.readahead_blocks,
                 sibling_prefetch_files=config.sibling_prefetch_files,
                 nursery=nursery,
             )
+            reader = Reader(cache, fetcher, stats, readahead, memory_blocks=config.memory_blocks)
             planner = Planner(namespace, cache, fetcher, stats, block_size=config.block_size_bytes,
                               cache_dir=config.cache_dir)
             await nursery.start(planner.run)
             reader.on_block = planner.observe
-            reader.readahead.planned = planner.covers
+            readahead.planned = planner.covers
             cache.advisor = planner
             admin = Admin(config, namespace, cache, fetcher, stats, reader.forget_memory)
             admin.add_section("training", planner.snapshot)

@@ -18,7 +18,7 @@ import trio
 from .cache import BlockCache, BlockData, BlockKey
 from .fetcher import Fetcher
 from .metrics import STALL_DURATION, Stats
-from .namespace import Inode, Namespace
+from .namespace import Inode
 from .readahead import SEQUENTIAL_THRESHOLD, OpenFile, ReadAhead
 
 log = logging.getLogger(__name__)
@@ -52,28 +52,15 @@ class Reader:
     """Serves byte ranges of snapshot files."""
 
     def __init__(
-        self,
-        namespace: Namespace,
-        cache: BlockCache,
-        fetcher: Fetcher,
-        stats: Stats,
-        *,
-        block_size: int,
-        memory_blocks: int,
-        readahead_blocks: int,
-        sibling_prefetch_files: int,
-        nursery: trio.Nursery,
+        self, cache: BlockCache, fetcher: Fetcher, stats: Stats, readahead: ReadAhead, *, memory_blocks: int
     ) -> None:
         self._cache = cache
         self._fetcher = fetcher
         self._stats = stats
-        self.block_size = block_size
+        self.block_size = readahead.block_size
         self._memory = MemoryBlocks(memory_blocks)
         self._disk_readers = trio.CapacityLimiter(DISK_READ_THREADS)
-        self.readahead = ReadAhead(
-            namespace, cache, fetcher, stats, block_size=block_size, readahead_blocks=readahead_blocks,
-            sibling_prefetch_files=sibling_prefetch_files, nursery=nursery,
-        )
+        self.readahead = readahead  # shown every read; fetches what comes next
         # Told of every block a reader asks for; may hand back its bytes (planner.py
         # follows a loader's plan with it and holds blocks prefetched along it).
         self.on_block: Callable[[BlockKey], BlockData | None] | None = None
