@@ -82,9 +82,6 @@ class Admin:
                 files[entry.ino] = entry
         return list(files.values())
 
-    def _blocks_of(self, inode: Inode) -> int:
-        return (inode.size + self._config.block_size_bytes - 1) // self._config.block_size_bytes
-
     # -- commands -------------------------------------------------------------------
 
     async def stats(self, request: dict[str, Any], progress: Progress) -> dict[str, Any]:
@@ -218,9 +215,9 @@ class _WarmJob:
             ok = True
             block_size = self._admin._config.block_size_bytes
             run: list[int] = []
-            for blockno in range(self._admin._blocks_of(inode)):
+            for blockno in range(inode.block_count(block_size)):
                 key = BlockKey(inode.file_id, inode.version, blockno)
-                length = min(block_size, inode.size - blockno * block_size)
+                length = inode.block_length(blockno, block_size)
                 if self._admin._cache.contains(key) or self._admin._fetcher.flight(key) is not None:
                     self.cached_before_bytes += length
                     self.bytes_done += length
@@ -246,7 +243,7 @@ class _WarmJob:
         for blockno in [*blocknos, None]:
             key = BlockKey(inode.file_id, inode.version, blockno) if blockno is not None else None
             if key is not None and fetcher.flight(key) is None:
-                pending.append((key, blockno * block_size, min(block_size, inode.size - blockno * block_size)))
+                pending.append((key, blockno * block_size, inode.block_length(blockno, block_size)))
                 continue
             if pending:
                 lengths = [length for _key, _start, length in pending]
@@ -265,7 +262,7 @@ class _WarmJob:
                         await flight.result()
                     except HubError:
                         ok = False
-                self.bytes_done += min(block_size, inode.size - blockno * block_size)
+                self.bytes_done += inode.block_length(blockno, block_size)
         return ok
 
     def report(self) -> dict[str, Any]:

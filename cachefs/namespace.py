@@ -58,6 +58,14 @@ class Inode:
     def is_file(self) -> bool:
         return self.kind == KIND_FILE
 
+    def block_count(self, block_size: int) -> int:
+        """Blocks of `block_size` the file's bytes fill (the last one may be short)."""
+        return -(-self.size // block_size)
+
+    def block_length(self, blockno: int, block_size: int) -> int:
+        """Bytes in block `blockno` (block_size, except for the last block)."""
+        return min(block_size, self.size - blockno * block_size)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ManifestSummary:

@@ -250,7 +250,7 @@ class Plan:
 
     def block_length(self, key: int) -> int:
         inode = self.files[key >> _BLOCK_BITS]
-        return min(self.block_size, inode.size - (key & ((1 << _BLOCK_BITS) - 1)) * self.block_size)
+        return inode.block_length(key & ((1 << _BLOCK_BITS) - 1), self.block_size)
 
     def key_at(self, position: int) -> int:
         return self._keys[position - self._base]

@@ -133,11 +133,11 @@ class ReadAhead:
         elif last_block < handle.prefetched_until:
             # The reader is consuming what was read ahead: it keeps up, so grow.
             handle.window_blocks = min(handle.window_blocks * 2, self._max_window_blocks)
-        overflow = last_block + 1 + handle.window_blocks - self._blocks_in(handle.inode)
+        overflow = last_block + 1 + handle.window_blocks - handle.inode.block_count(self.block_size)
         if overflow > 0 and not handle.next_file_asked:
             handle.next_file_asked = True
             self._read_ahead_next_file(handle.inode, overflow)
-        target = min(last_block + 1 + handle.window_blocks, self._blocks_in(handle.inode))
+        target = min(last_block + 1 + handle.window_blocks, handle.inode.block_count(self.block_size))
         start = max(last_block + 1, handle.prefetched_until)
         # Ask in whole runs, as soon as a run's worth of the window is free.
         if target - start < min(COALESCE_BLOCKS, handle.window_blocks):
@@ -153,7 +153,7 @@ class ReadAhead:
         for following in self._namespace.files_after(inode, 1):
             if following.size > self.block_size * COALESCE_BLOCKS and (self.planned is None or not self.planned(following)):
                 handle = OpenFile(following)
-                stop = min(max(blocks, COALESCE_BLOCKS), self._blocks_in(following))
+                stop = min(max(blocks, COALESCE_BLOCKS), following.block_count(self.block_size))
                 for run_start in range(0, stop, COALESCE_BLOCKS):
                     self._start_prefetch(handle, run_start, min(run_start + COALESCE_BLOCKS, stop))
 
@@ -183,7 +183,7 @@ class ReadAhead:
         log.debug("filling %s (%d bytes) in the background: it is read at random", inode.ino, inode.size)
         try:
             async with trio.open_nursery() as runs:
-                for run_start in range(0, self._blocks_in(inode), COALESCE_BLOCKS):
+                for run_start in range(0, inode.block_count(self.block_size), COALESCE_BLOCKS):
                     if self._cache.free_bytes() < COALESCE_BLOCKS * self.block_size:
                         log.debug("stopped filling %s: the cache is full", inode.ino)
                         return
@@ -198,7 +198,7 @@ class ReadAhead:
 
     async def _fill_run(self, handle: OpenFile, first: int) -> None:
         try:
-            stop = min(first + COALESCE_BLOCKS, self._blocks_in(handle.inode))
+            stop = min(first + COALESCE_BLOCKS, handle.inode.block_count(self.block_size))
             keys = [BlockKey(handle.inode.file_id, handle.inode.version, b) for b in range(first, stop)]
             self._queued.update(keys)
             await self._prefetch_run(handle, first, stop, keys)
@@ -263,14 +263,8 @@ class ReadAhead:
                 if self._fetcher.flight(key) is not None or self._cache.contains(key):
                     break
                 keys.append(key)
-                lengths.append(self._block_length(inode, blockno))
+                lengths.append(inode.block_length(blockno, self.block_size))
                 blockno += 1
             if keys:
                 yield run_first, keys, lengths
             blockno += 1  # past the cached (or in-flight) block that ended the run
-
-    def _block_length(self, inode: Inode, blockno: int) -> int:
-        return min(self.block_size, inode.size - blockno * self.block_size)
-
-    def _blocks_in(self, inode: Inode) -> int:
-        return (inode.size + self.block_size - 1) // self.block_size
