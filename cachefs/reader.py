@@ -12,6 +12,7 @@ import collections
 import functools
 import logging
 from collections.abc import Callable
+from typing import TypeVar
 
 import trio
 
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 # Cached blocks read from disk at once (worker threads): enough to overlap
 # the kernel's parallel readahead requests on NVMe.
 DISK_READ_THREADS = 8
+
+_Read = TypeVar("_Read")
 
 
 class MemoryBlocks:
@@ -116,11 +119,7 @@ class Reader:
         if planned is None and self._memory.get(key) is None and self._fetcher.flight(key) is None:
             entry = self._cache.entry(key)
             if entry is not None:
-                try:
-                    part = self._cache.read_part(key, entry, start, stop, nowait=True)
-                except BlockingIOError:
-                    read_part = functools.partial(self._cache.read_part, key, entry, start, stop)
-                    part = await trio.to_thread.run_sync(read_part, limiter=self._disk_readers)
+                part = await self._from_disk(functools.partial(self._cache.read_part, key, entry, start, stop))
                 if part is not None:
                     self._stats.block_hits += 1
                     return part
@@ -160,34 +159,32 @@ class Reader:
         self._stats.block_misses += 1
         started = trio.current_time()
         try:
-            data = await self._fetcher.fetch(key, key.blockno * self.block_size, self._block_length(inode, key.blockno))
+            data = await self._fetcher.fetch(key, key.blockno * self.block_size, inode.block_length(key.blockno, self.block_size))
         finally:
             self._note_stall(trio.current_time() - started)
         self._memory.put(key, data)
         return data
 
     async def _cached(self, key: BlockKey) -> BlockData | None:
-        """A block from the local cache, None if it is not there.
-
-        Read on the trio thread when its bytes are in the page cache (a
-        thread hop costs more than the copy); otherwise in a worker thread,
-        where several disk reads at once keep the NVMe busy.
-        """
+        """A block from the local cache, None if it is not there."""
         entry = self._cache.entry(key)
         if entry is None:
             return None
+        return await self._from_disk(functools.partial(self._cache.read, key, entry))
+
+    async def _from_disk(self, read: Callable[..., _Read]) -> _Read:
+        """`read(nowait=True)` on the trio thread when its bytes are in the page cache
+        (a thread hop costs more than the copy); otherwise `read()` in a worker
+        thread, where several disk reads at once keep the NVMe busy."""
         try:
-            return self._cache.read(key, entry, nowait=True)
+            return read(nowait=True)
         except BlockingIOError:
-            return await trio.to_thread.run_sync(self._cache.read, key, entry, limiter=self._disk_readers)
+            return await trio.to_thread.run_sync(read, limiter=self._disk_readers)
 
     def _note_stall(self, waited_s: float) -> None:
         self._stats.stall_seconds += waited_s
         self._stats.stalled_blocks += 1
         STALL_DURATION.observe(waited_s)
-
-    def _block_length(self, inode: Inode, blockno: int) -> int:
-        return min(self.block_size, inode.size - blockno * self.block_size)
 
 
 def _view(data: BlockData, start: int, stop: int) -> bytes | memoryview:
