@@ -112,7 +112,7 @@ async def file_data(request: web.Request) -> web.StreamResponse:
     if block_bytes is None or not isinstance(response, handlers.SnapshotFileResponse):
         return response  # no sums asked for, or an error answer
     record = response.record
-    byte_range = handlers.parse_range(request.headers.get("Range"), record.size_bytes) or (0, record.size_bytes - 1)
+    byte_range = response.byte_range or (0, record.size_bytes - 1)
     first, stop = byte_range[0] // block_bytes, byte_range[1] // block_bytes + 1
     if record.size_bytes == 0 or stop - first > MAX_HEADER_SUMS:
         return response

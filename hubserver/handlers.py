@@ -275,7 +275,7 @@ class SnapshotFileResponse(web.FileResponse):
     puts the protocol's back.
     """
 
-    def __init__(self, fd: int, record: FileRecord, fallback_path: bytes) -> None:
+    def __init__(self, fd: int, record: FileRecord, fallback_path: bytes, byte_range: tuple[int, int] | None) -> None:
         if _FD_DIR.is_dir():
             path: os.PathLike[str] | str = _FD_DIR / str(fd)
         else:
@@ -289,6 +289,7 @@ class SnapshotFileResponse(web.FileResponse):
             },
         )
         self.record = record
+        self.byte_range = byte_range  # first and last byte asked for; None for the whole file
         self.fd = fd  # open until sent (close_fd)
         self.snapshot_etag = f'"{record.file_id}-{record.version}"'
         # Close the descriptor once sent, or when the response is dropped.
@@ -356,8 +357,8 @@ async def file_data(request: web.Request) -> web.StreamResponse:
         LOG.warning("file %s: %s; answering 412", record.file_id, exc)
         return json_error(412, f"file {record.file_id} changed on disk since the snapshot")
     try:
-        parse_range(range_header, record.size_bytes)
-        return SnapshotFileResponse(fd, record, snapshot.abs_path(record))
+        byte_range = parse_range(range_header, record.size_bytes)
+        return SnapshotFileResponse(fd, record, snapshot.abs_path(record), byte_range)
     except RangeNotSatisfiable as exc:
         os.close(fd)
         return json_error(
