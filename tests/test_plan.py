@@ -5,14 +5,13 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE
-from mount_helpers import SpokeMount, mounted_spoke, run_cachefs
+from mount_helpers import SpokeMount, mounted_spoke, run_cachefs, wait_for_stats
 from test_metrics import free_port, scrape
 from test_mount import read_uncached
 
@@ -26,17 +25,6 @@ PLAIN_ARGS = (*SPOKE_ARGS, "--readahead-blocks", "0", "--prefetch-siblings", "0"
 WAIT_S = 20.0
 
 Read = tuple[str, int, int | None]
-
-
-def wait_for(spoke: SpokeMount, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    """Poll the mount's stats until `predicate` holds (bounded); returns them."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        stats = spoke.stats()
-        if predicate(stats):
-            return stats
-        assert time.monotonic() < deadline, f"condition not reached; stats: {stats}"
-        time.sleep(0.02)
 
 
 def settled(spoke: SpokeMount) -> dict[str, Any]:
@@ -89,7 +77,7 @@ def test_plan_prefetch_serves_identical_bytes(hub, dataset: Path, tmp_path: Path
         with cachefs_plan.submit(in_mount(spoke, reads), epoch=1) as plan:
             assert (plan.epoch, plan.reads, plan.blocks) == (1, len(reads), blocks)
             read_through(spoke, dataset, reads)
-            stats = wait_for(spoke, lambda s: s["training"]["plans_active"] == 0)  # done: it ends by itself
+            stats = wait_for_stats(spoke, lambda s: s["training"]["plans_active"] == 0)  # done: it ends by itself
         assert stats["plan_prefetch_blocks"] > 0
         assert stats["plan_prefetch_used_blocks"] > 0
         # Prefetch moved fetches earlier, it did not add any: each block crossed once.
@@ -112,7 +100,7 @@ def test_plan_that_lies_costs_only_bounded_counted_prefetch(hub, dataset: Path, 
         with cachefs_plan.submit(in_mount(spoke, planned), epoch=1):
             read_through(spoke, dataset, actual)
             during = settled(spoke)
-        stats = wait_for(spoke, lambda s: s["training"]["plans_active"] == 0)
+        stats = wait_for_stats(spoke, lambda s: s["training"]["plans_active"] == 0)
         # The plan's first window was fetched, nothing beyond it; none of it was read.
         assert 0 < stats["plan_prefetch_blocks"] <= INITIAL_LOOKAHEAD_BLOCKS
         assert stats["plan_prefetch_blocks"] == during["plan_prefetch_blocks"]
@@ -136,7 +124,7 @@ def test_plans_for_missing_files_are_rejected(spoke: SpokeMount, tmp_path: Path)
         cachefs_plan.submit([(mountpoint / "shards/shard-002.bin", 10 * TEST_BLOCK_SIZE, 100)])
     with pytest.raises(cachefs_plan.PlanError, match="not inside a cachefs mount"):
         cachefs_plan.submit([(tmp_path / "elsewhere.bin", 0, 100)])
-    stats = wait_for(spoke, lambda s: s["training"]["plans_active"] == 0)
+    stats = wait_for_stats(spoke, lambda s: s["training"]["plans_active"] == 0)
     assert stats["plan_prefetch_blocks"] <= 1
     assert (mountpoint / "with space.txt").read_text() == "a name with a space\n"
 
@@ -150,7 +138,7 @@ def test_cancelling_a_plan_stops_its_prefetch(hub, dataset: Path, tmp_path: Path
         window = settled(spoke)["plan_prefetch_blocks"]
         assert 0 < window < len(reads)
         plan.close()
-        stats = wait_for(spoke, lambda s: s["training"]["plans_active"] == 0)
+        stats = wait_for_stats(spoke, lambda s: s["training"]["plans_active"] == 0)
         read_through(spoke, dataset, reads[4:])  # as planned, but the plan is gone
         after = spoke.stats()
         assert after["plan_prefetch_blocks"] == stats["plan_prefetch_blocks"]  # nothing more was prefetched
@@ -249,7 +237,7 @@ def test_plan_sampler_hands_over_in_the_background(hub, dataset: Path, tmp_path:
         previous = plan
         sampler.close()
         assert previous.closed
-        stats = wait_for(spoke, lambda s: s["training"]["plans_active"] == 0)
+        stats = wait_for_stats(spoke, lambda s: s["training"]["plans_active"] == 0)
         assert [record["epoch"] for record in stats["training"]["epochs"]] == [1, 2]
         assert stats["training"]["epochs"][1]["fetched_bytes"] == 0
 
