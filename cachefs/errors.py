@@ -39,6 +39,10 @@ class HubTLSError(HubError):
     """The hub's certificate could not be verified (not retried)."""
 
 
+class BatchUnsupported(HubError):
+    """The hub (or a proxy before it) does not answer batches of small files (not retried)."""
+
+
 class RemoteFileChanged(HubError):
     """The hub refused a block because the file changed since our snapshot (412)."""
 

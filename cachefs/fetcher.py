@@ -10,7 +10,8 @@ single block, sent in the data answer's header); a mismatch is retried
 like a broken connection.
 
 Read-ahead uses at most `prefetch_connections` connections, so demand
-misses always find one free.
+misses always find one free. Small files prefetched together are asked for
+in one batch request (hubserver/batch.py), each checked like a block.
 
 Fetched blocks are handed to readers at once and written to the cache by a
 single writer task that commits them in batches (one fsync per batch, not
@@ -21,6 +22,7 @@ reader fetches a block that is on its way to disk.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
@@ -31,7 +33,7 @@ import xxhash
 
 from .cache import BlockCache, BlockData, BlockKey
 from .checksums import BlockChecksums
-from .errors import HubError, HubProtocolError, HubStatusError, HubUnavailable, RemoteFileChanged
+from .errors import BatchUnsupported, HubError, HubProtocolError, HubStatusError, HubUnavailable, RemoteFileChanged
 from .hub_client import HubClient
 from .metrics import FETCH_DURATION, Stats
 
@@ -79,6 +81,7 @@ class Fetcher:
         self._checksums = BlockChecksums(client, block_size)
         self._block_size = block_size
         self._sums_in_header = True  # until the hub refuses it (400): then checksum requests
+        self.batches = True  # small files in batches, until the hub refuses one: then one by one
         self._cache = cache
         self._stats = stats
         self._fetch_timeout_s = fetch_timeout_s
@@ -104,7 +107,7 @@ class Fetcher:
         if flight is not None:
             return await flight.result()
         flight = self._flights[key] = _Flight()
-        await self._run([key], [flight], start, [length])
+        await self._run([key], [flight], functools.partial(self._verified_range, key, start, [length]))
         return await flight.result()
 
     async def prefetch(
@@ -129,6 +132,49 @@ class Fetcher:
         read-ahead used. `on_fetched` gets each block's bytes as they arrive,
         before the cache writer sees them (the planner holds them for readers).
         """
+        flights = self._prefetch_flights(keys, count_readahead)
+        attempt = functools.partial(self._verified_range, keys[0], start, list(lengths))
+        return await self._run(list(keys), flights, attempt, force_admission, on_fetched)
+
+    async def prefetch_files(self, keys: Sequence[BlockKey], lengths: Sequence[int]) -> bool:
+        """Fetch small files whole (block 0 of each, the whole file) at read-ahead
+        priority, with one batch request while the hub takes them; False if it failed.
+
+        If one of them changed on the hub (412), they are asked for one by
+        one, so that only the changed one fails. A hub that does not know
+        batches (an older one) is asked one by one from then on.
+        """
+        flights = self._prefetch_flights(keys, count_readahead=True)
+        if self.batches:
+            try:
+                pieces = await self._fetch_with_retries(keys[0], functools.partial(self._verified_batch, keys, lengths))
+            except RemoteFileChanged:
+                pass  # one of them changed: asking one by one tells which
+            except BatchUnsupported as exc:
+                log.warning("no batches of small files from this hub (%s): asking for them one by one", exc)
+                self.batches = False
+            except HubError as exc:
+                self._fail(list(keys), flights, exc)
+                return False
+            except BaseException:
+                self._fail(list(keys), flights, HubUnavailable(f"fetch of {keys[0]} was cancelled"))
+                raise
+            else:
+                await self._settle(list(keys), flights, pieces)
+                return True
+        failed: list[BlockKey] = []
+
+        async def one_file(key: BlockKey, flight: _Flight, length: int) -> None:
+            if not await self._run([key], [flight], functools.partial(self._verified_range, key, 0, [length])):
+                failed.append(key)
+
+        async with trio.open_nursery() as nursery:  # side by side: one round trip, not one per file
+            for key, flight, length in zip(keys, flights, lengths, strict=True):
+                nursery.start_soon(one_file, key, flight, length)
+        return not failed
+
+    def _prefetch_flights(self, keys: Sequence[BlockKey], count_readahead: bool) -> list[_Flight]:
+        """New flights for blocks read-ahead is about to fetch."""
         flights = []
         for key in keys:
             if key in self._flights:
@@ -138,7 +184,7 @@ class Fetcher:
                 self.prefetched[key] = None
         while len(self.prefetched) > PREFETCHED_REMEMBERED:
             self.prefetched.popitem(last=False)
-        return await self._run(list(keys), flights, start, list(lengths), force_admission, on_fetched)
+        return flights
 
     async def written(self, keys: set[BlockKey], timeout_s: float = 60.0) -> None:
         """Wait (bounded) until none of these blocks is still on its way to the cache."""
@@ -154,27 +200,37 @@ class Fetcher:
         self,
         keys: list[BlockKey],
         flights: list[_Flight],
-        start: int,
-        lengths: list[int],
+        attempt: Callable[[], Awaitable[list[bytearray]]],
         force_admission: bool = False,
         on_fetched: Callable[[BlockKey, BlockData], None] | None = None,
     ) -> bool:
-        """Fetch keys[0..n] (contiguous, starting at `start`) and settle their flights; False on failure."""
+        """Fetch `keys` with `attempt` (retried) and settle their flights; False on failure."""
         try:
-            pieces = await self._fetch_with_retries(keys[0], start, lengths)
+            pieces = await self._fetch_with_retries(keys[0], attempt)
         except HubError as exc:
             self._fail(keys, flights, exc)
             return False
         except BaseException:
             self._fail(keys, flights, HubUnavailable(f"fetch of {keys[0]} was cancelled"))
             raise
+        await self._settle(keys, flights, pieces, force_admission, on_fetched)
+        return True
+
+    async def _settle(
+        self,
+        keys: list[BlockKey],
+        flights: list[_Flight],
+        pieces: list[bytearray],
+        force_admission: bool = False,
+        on_fetched: Callable[[BlockKey, BlockData], None] | None = None,
+    ) -> None:
+        """Hand fetched blocks to their waiters, then to the cache writer."""
         for key, flight, data in zip(keys, flights, pieces, strict=True):
             flight.data = data
             flight.done.set()
             if on_fetched is not None:
                 on_fetched(key, data)
             await self._write_send.send((key, data, force_admission))
-        return True
 
     def _fail(self, keys: list[BlockKey], flights: list[_Flight], error: HubError) -> None:
         for key, flight in zip(keys, flights, strict=True):
@@ -238,6 +294,16 @@ class Fetcher:
                 raise HubProtocolError(f"block {key.blockno + offset} of file {key.file_id.hex()} failed its checksum")
         return pieces
 
+    async def _verified_batch(self, keys: Sequence[BlockKey], lengths: Sequence[int]) -> list[bytearray]:
+        """One attempt at a batch of whole small files, each checked against the hub's checksum."""
+        files = [(key.file_id.hex(), key.version.hex()) for key in keys]
+        pieces, sums = await self._client.get_batch(files, lengths, self._block_size)
+        for key, piece, checksum in zip(keys, pieces, sums, strict=True):
+            if xxhash.xxh3_64_intdigest(piece) != checksum:
+                self._stats.integrity_failures += 1
+                raise HubProtocolError(f"file {key.file_id.hex()} of a batch failed its checksum")
+        return pieces
+
     async def _data_and_sums(self, key: BlockKey, start: int, lengths: list[int]) -> tuple[list[bytearray], list[int]]:
         """The data request and the checksum request, side by side (no extra round trip)."""
         results: dict[str, Any] = {}
@@ -257,7 +323,10 @@ class Fetcher:
             raise results["error"]
         return results["pieces"][0], results["sums"]
 
-    async def _fetch_with_retries(self, key: BlockKey, start: int, lengths: list[int]) -> list[bytearray]:
+    async def _fetch_with_retries(
+        self, key: BlockKey, attempt_once: Callable[[], Awaitable[list[bytearray]]]
+    ) -> list[bytearray]:
+        """`attempt_once()` until it succeeds or `fetch_timeout_s` has passed (`key` names it in logs)."""
         deadline = trio.current_time() + self._fetch_timeout_s
         backoff_s = FIRST_BACKOFF_S
         attempt = 0
@@ -267,9 +336,9 @@ class Fetcher:
             self.requests_in_flight += 1
             try:
                 with trio.fail_after(max(0.0, deadline - trio.current_time())):
-                    pieces = await self._verified_range(key, start, lengths)
+                    pieces = await attempt_once()
                 self._stats.fetches += 1
-                self._stats.fetched_bytes += sum(lengths)
+                self._stats.fetched_bytes += sum(len(piece) for piece in pieces)
                 FETCH_DURATION.observe(trio.current_time() - started)
                 return pieces
             except trio.TooSlowError:

@@ -20,7 +20,7 @@ import h11
 import trio
 
 from .config import HubURL
-from .errors import HubProtocolError, HubStatusError, HubTLSError, HubUnavailable, RemoteFileChanged
+from .errors import BatchUnsupported, HubProtocolError, HubStatusError, HubTLSError, HubUnavailable, RemoteFileChanged
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,10 @@ RECEIVE_BYTES = 1 << 20  # receive up to 1 MiB per syscall: fewer wakeups per bl
 RECEIVE_HEAD_BYTES = 16 * 1024
 _CONTENT_RANGE_RE = re.compile(rb"^bytes (\d+)-(\d+)/(\d+)$")
 SUMS_HEADER = b"cachefs-block-sums"  # see hubserver/checksums.py
+BATCH_SUMS_HEADER = b"cachefs-batch-sums"  # see hubserver/batch.py
+# Answers of a hub that has no batch endpoint (an older one), or refuses this batch.
+BATCH_UNKNOWN_STATUSES = (400, 404, 405)
+_HEX16_RE = re.compile(rb"[0-9a-f]{16}")
 _SUMS_RE = re.compile(rb"bs=(\d{1,10}); first=(\d{1,12}); ([0-9a-f]{16}(?:,[0-9a-f]{16}){0,63})")
 
 
@@ -195,16 +199,48 @@ class HubClient:
             _check_content_range(response.headers.get(b"content-range", b""), start, length)
             if response.headers.get(b"content-length") != str(length).encode():
                 raise HubProtocolError(f"hub answered {start}+{length} of file {file_id} without a matching Content-Length")
-            pieces = [bytearray(piece_length) for piece_length in lengths]
-            try:
-                received = await conn.read_body_into(pieces, self._read_timeout_s)
-            except OSError as exc:
-                raise HubUnavailable(f"connection to hub {self.url} failed: {exc}") from None
-            if received != length:
-                raise HubProtocolError(f"hub sent {received} of {length} bytes for file {file_id} at {start}")
+            pieces = await self._read_pieces(conn, lengths, f"file {file_id} at {start}")
             sums_header = response.headers.get(SUMS_HEADER)
         sums = _parse_block_sums(sums_header, sums_block_size) if sums_header and sums_block_size else {}
         return pieces, sums
+
+    async def get_batch(
+        self, files: Sequence[tuple[str, str]], lengths: Sequence[int], block_size: int
+    ) -> tuple[list[bytearray], list[int]]:
+        """Whole small files (id, version), each at most one block, in one request (hubserver/batch.py).
+
+        Returns their bytes (`lengths`, from the manifest) and the hub's
+        checksum of each. RemoteFileChanged if any of them is not the hub's
+        current version.
+        """
+        names = ",".join(f"{file_id}.{version}" for file_id, version in files)
+        async with self._request(f"/v1/batch?bs={block_size}&f={names}") as (response, conn):
+            if response.status == 412:
+                raise RemoteFileChanged(f"a file of a batch of {len(files)} changed on the hub (412)")
+            try:
+                await self._expect(response, conn, 200)
+            except HubStatusError as exc:
+                if exc.status in BATCH_UNKNOWN_STATUSES:
+                    raise BatchUnsupported(str(exc)) from None
+                raise
+            if response.headers.get(b"content-length") != str(sum(lengths)).encode():
+                raise HubProtocolError(f"hub answered a batch of {len(files)} files with the wrong Content-Length")
+            if BATCH_SUMS_HEADER not in response.headers:
+                raise BatchUnsupported(f"a batch answer came without its {BATCH_SUMS_HEADER.decode()} header")
+            sums = _parse_batch_sums(response.headers[BATCH_SUMS_HEADER], len(files))
+            pieces = await self._read_pieces(conn, lengths, f"a batch of {len(files)} files")
+        return pieces, sums
+
+    async def _read_pieces(self, conn: _Connection, lengths: Sequence[int], what: str) -> list[bytearray]:
+        """The body, received straight into one buffer per piece; exactly sum(lengths) bytes or an error."""
+        pieces = [bytearray(piece_length) for piece_length in lengths]
+        try:
+            received = await conn.read_body_into(pieces, self._read_timeout_s)
+        except OSError as exc:
+            raise HubUnavailable(f"connection to hub {self.url} failed: {exc}") from None
+        if received != sum(lengths):
+            raise HubProtocolError(f"hub sent {received} of {sum(lengths)} bytes for {what}")
+        return pieces
 
     async def get_checksums(self, file_id: str, version: str, block_size: int, first: int, count: int) -> list[int]:
         """xxh3_64 of blocks [first, first+count) of one file version (fewer at the end of the file)."""
@@ -380,6 +416,14 @@ def _parse_block_sums(value: bytes, block_size: int) -> dict[int, int]:
         return {}
     first = int(match.group(2))
     return {first + index: int(text, 16) for index, text in enumerate(match.group(3).split(b","))}
+
+
+def _parse_batch_sums(value: bytes, count: int) -> list[int]:
+    """`<hex>,<hex>,...` -> one checksum per file of the batch."""
+    sums = value.strip().split(b",")
+    if len(sums) != count or not all(_HEX16_RE.fullmatch(text) for text in sums):
+        raise HubProtocolError(f"hub sent a malformed {BATCH_SUMS_HEADER.decode()} header")
+    return [int(text, 16) for text in sums]
 
 
 def _check_content_range(value: bytes, start: int, length: int) -> None:

@@ -14,7 +14,10 @@
 - Opening a small file also prefetches the files after it in tree order
   (the rest of its directory, then the next directories), because datasets
   of small files are read in that order far more often than not, and each
-  one would otherwise cost a round trip.
+  one would otherwise cost a round trip. They are asked for in batches of
+  up to `BATCH_FILES` files per request: per-request costs (HTTP on both
+  ends, the hub's file opens in a worker thread) were what limited a tree
+  of small files, not the link.
 
 All of it runs at read-ahead priority, under the fetcher's `prefetch_slots`
 (demand misses always find a connection). The window, the next file and the
@@ -55,6 +58,10 @@ REORDER_BLOCKS = 4
 INITIAL_WINDOW_BLOCKS = 4
 # Files remembered by sibling prefetch (see prefetch_siblings).
 SIBLINGS_REMEMBERED = 4096
+# Small files per batch request (hubserver/batch.py); a batch also holds at
+# most a read-ahead run's bytes (COALESCE_BLOCKS blocks), which keeps the
+# memory read-ahead can have in flight where it was.
+BATCH_FILES = 16
 # Random reads of a large file before it is filled in the background, and
 # the read-ahead runs all fills together keep in flight (8 x 4 MiB: ~500 MB/s
 # at 60 ms; read-ahead's limit on connections applies too).
@@ -98,6 +105,7 @@ class ReadAhead:
         self.block_size = block_size
         self._max_window_blocks = readahead_blocks
         self._sibling_prefetch_files = sibling_prefetch_files
+        self._batch_bytes = COALESCE_BLOCKS * block_size
         self._nursery = nursery
         self._queued: set[BlockKey] = set()  # read-ahead asked for, not started yet
         # Files asked for by sibling prefetch -> how many files after them were too.
@@ -218,13 +226,57 @@ class ReadAhead:
         if count == 0 or inode.size > self.block_size or self._siblings_ahead.get(inode.ino, 0) >= count // 2:
             return
         followers = self._namespace.files_after(inode, count)
+        wanted: list[Inode] = []
         for index, sibling in enumerate(followers):
             self._siblings_ahead[sibling.ino] = len(followers) - 1 - index
             self._siblings_ahead.move_to_end(sibling.ino)
-            if 0 < sibling.size <= self.block_size:
-                self._start_prefetch(OpenFile(sibling), 0, 1)
+            if 0 < sibling.size <= self.block_size and not self._asked(self._head(sibling)):
+                wanted.append(sibling)
         while len(self._siblings_ahead) > SIBLINGS_REMEMBERED:
             self._siblings_ahead.popitem(last=False)
+        if not self._fetcher.batches:
+            for sibling in wanted:
+                self._start_prefetch(OpenFile(sibling), 0, 1)
+            return
+        for batch in self._batches(wanted):
+            keys = [self._head(sibling) for sibling in batch]
+            self._queued.update(keys)
+            self._nursery.start_soon(self._prefetch_batch, batch, keys)
+
+    def _batches(self, files: list[Inode]) -> Iterator[list[Inode]]:
+        """Small files in groups of at most BATCH_FILES and a read-ahead run's bytes."""
+        batch: list[Inode] = []
+        for inode in files:
+            if batch and (len(batch) == BATCH_FILES or sum(f.size for f in batch) + inode.size > self._batch_bytes):
+                yield batch
+                batch = []
+            batch.append(inode)
+        if batch:
+            yield batch
+
+    async def _prefetch_batch(self, files: list[Inode], queued: list[BlockKey]) -> None:
+        """Fetch the small files of `files` that are neither cached nor in flight, with one request."""
+        try:
+            async with self._fetcher.prefetch_slots:
+                missing = [inode for inode in files if not self._in_flight_or_cached(self._head(inode))]
+                if missing:
+                    self._stats.readahead_fetches += len(missing)
+                    keys = [self._head(inode) for inode in missing]
+                    if not await self._fetcher.prefetch_files(keys, [inode.size for inode in missing]):
+                        log.debug("sibling prefetch of %d files failed", len(missing))
+        finally:
+            self._queued.difference_update(queued)
+
+    @staticmethod
+    def _head(inode: Inode) -> BlockKey:
+        return BlockKey(inode.file_id, inode.version, 0)
+
+    def _asked(self, key: BlockKey) -> bool:
+        """Queued by read-ahead, in flight or cached."""
+        return key in self._queued or self._in_flight_or_cached(key)
+
+    def _in_flight_or_cached(self, key: BlockKey) -> bool:
+        return self._fetcher.flight(key) is not None or self._cache.contains(key)
 
     def _start_prefetch(self, handle: OpenFile, first: int, stop: int) -> bool:
         """Queue read-ahead of blocks [first, stop), unless they are cached, in flight or queued.
@@ -234,7 +286,7 @@ class ReadAhead:
         whether anything was queued.
         """
         keys = [BlockKey(handle.inode.file_id, handle.inode.version, b) for b in range(first, stop)]
-        if all(k in self._queued or self._fetcher.flight(k) is not None or self._cache.contains(k) for k in keys):
+        if all(self._asked(key) for key in keys):
             return False
         self._queued.update(keys)
         self._nursery.start_soon(self._prefetch_run, handle, first, stop, keys)
@@ -260,7 +312,7 @@ class ReadAhead:
             run_first, keys, lengths = blockno, [], []
             while blockno < stop:
                 key = BlockKey(inode.file_id, inode.version, blockno)
-                if self._fetcher.flight(key) is not None or self._cache.contains(key):
+                if self._in_flight_or_cached(key):
                     break
                 keys.append(key)
                 lengths.append(inode.block_length(blockno, self.block_size))

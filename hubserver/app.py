@@ -10,12 +10,13 @@ from typing import Final
 
 from aiohttp import web
 
-from hubserver import checksums, handlers, rescan
+from hubserver import batch, checksums, handlers, rescan
 from hubserver.auth import HubAuth, make_auth_middleware
 from hubserver.config import HubConfig
 from hubserver.handlers import MANIFEST_CHUNK_BYTES_KEY, METRICS_KEY, SNAPSHOT_KEY
 from hubserver.manifest import scan
 from hubserver.metrics import (
+    ENDPOINT_BATCH,
     ENDPOINT_CHECKSUMS,
     ENDPOINT_FILES,
     ENDPOINT_HEALTHZ,
@@ -90,6 +91,7 @@ def make_app(config: HubConfig, auth: HubAuth | None = None) -> web.Application:
     add_get("/v1/files/{file_id}", checksums.file_data, name=ENDPOINT_FILES)
     app[checksums.CHECKSUMS_KEY] = checksums.ChecksumCache()
     add_get("/v1/files/{file_id}/checksums", checksums.file_checksums, allow_head=False, name=ENDPOINT_CHECKSUMS)
+    add_get("/v1/batch", batch.batch, allow_head=False, name=ENDPOINT_BATCH)
     add_get("/metrics", handlers.metrics, name=ENDPOINT_METRICS)
     app.router.add_post("/v1/rescan", rescan.rescan_request, name=ENDPOINT_RESCAN)
     return app

@@ -97,7 +97,7 @@ def _int_param(request: web.Request, name: str, low: int, high: int) -> int:
     return int(text)
 
 
-def _block_bytes_param(request: web.Request) -> int:
+def block_bytes_param(request: web.Request) -> int:
     block_bytes = _int_param(request, "bs", MIN_BLOCK_BYTES, MAX_BLOCK_BYTES)
     if block_bytes & (block_bytes - 1):
         raise HubHTTPError(400, "bs must be a power of two")
@@ -107,7 +107,7 @@ def _block_bytes_param(request: web.Request) -> int:
 async def file_data(request: web.Request) -> web.StreamResponse:
     """``GET /v1/files/{id}?v=[&bs=]``: the file's bytes (handlers.file_data); with
     ``bs``, the checksums of the blocks the range overlaps in SUMS_HEADER."""
-    block_bytes = _block_bytes_param(request) if "bs" in request.query else None
+    block_bytes = block_bytes_param(request) if "bs" in request.query else None
     response = await handlers.file_data(request)
     if block_bytes is None or not isinstance(response, handlers.SnapshotFileResponse):
         return response  # no sums asked for, or an error answer
@@ -139,7 +139,7 @@ async def file_checksums(request: web.Request) -> web.Response:
     file_id, version = request.match_info["file_id"], request.query.get("v", "")
     if not _HEX16.fullmatch(file_id) or not _HEX16.fullmatch(version):
         raise HubHTTPError(400, "file id and version must be 16 lowercase hex digits")
-    block_bytes = _block_bytes_param(request)
+    block_bytes = block_bytes_param(request)
     first = _int_param(request, "first", 0, 1 << 40)
     count = _int_param(request, "count", 1, MAX_COUNT)
     snapshot = request.app[SNAPSHOT_KEY].current

@@ -22,6 +22,7 @@ ENDPOINT_HEALTHZ: Final = "healthz"
 ENDPOINT_MANIFEST: Final = "manifest"
 ENDPOINT_FILES: Final = "files"
 ENDPOINT_CHECKSUMS: Final = "checksums"
+ENDPOINT_BATCH: Final = "batch"
 ENDPOINT_RESCAN: Final = "rescan"
 ENDPOINT_METRICS: Final = "metrics"
 ENDPOINT_OTHER: Final = "other"
@@ -31,6 +32,7 @@ ENDPOINTS: Final = (
     ENDPOINT_MANIFEST,
     ENDPOINT_FILES,
     ENDPOINT_CHECKSUMS,
+    ENDPOINT_BATCH,
     ENDPOINT_RESCAN,
     ENDPOINT_METRICS,
     ENDPOINT_OTHER,

@@ -1,7 +1,7 @@
 """A fault-injecting HTTP proxy between spoke and hub, for tests.
 
-It forwards every request to the hub and, for file data and checksum
-requests, injects a fault with probability `fault_rate`: a 503, a dropped
+It forwards every request to the hub and, for file data, batch and
+checksum requests, injects a fault with probability `fault_rate`: a 503, a dropped
 connection before the answer, a body cut short, one flipped bit, or a
 stall. The manifest passes untouched (mounting stays possible). Runs its
 own asyncio loop in a thread; `counts` says what was injected.
@@ -43,7 +43,7 @@ class FaultProxy:
         self._lock = threading.Lock()
 
     def _choose(self, path: str) -> str | None:
-        if not self.enabled or not path.startswith("/v1/files/"):
+        if not self.enabled or not path.startswith(("/v1/files/", "/v1/batch")):
             return None
         with self._lock:
             if self._rng.random() >= self.fault_rate:
@@ -70,7 +70,8 @@ class FaultProxy:
         except aiohttp.ClientError:
             return web.json_response({"error": "hub unreachable"}, status=502)
         response = web.StreamResponse(status=status)
-        for name in ("Content-Type", "Content-Range", "Content-Encoding", "ETag", "Cache-Control", "Accept-Ranges"):
+        for name in ("Content-Type", "Content-Range", "Content-Encoding", "ETag", "Cache-Control", "Accept-Ranges",
+                     "Cachefs-Block-Sums", "Cachefs-Batch-Sums"):
             if name in upstream_headers:
                 response.headers[name] = upstream_headers[name]
         response.content_length = len(body)

@@ -76,6 +76,27 @@ def wait_for_generation_change(url: str, before: str, timeout_s: float = 30.0) -
         time.sleep(0.1)
 
 
+def test_a_changed_file_in_a_batch_fails_alone(dataset: Path, tmp_path: Path) -> None:
+    """A batch of small files with one that changed on the hub (412): the others still read, that one is ESTALE."""
+    source = tmp_path / "source"
+    shutil.copytree(dataset, source, symlinks=True)
+    files = sorted((source / "small" / "dir 2").iterdir())
+    changed = files[5]
+    with running_hub(source) as hub, mounted_spoke(hub.url, tmp_path, (*SPOKE_ARGS, "--readahead-blocks", "0")) as spoke:
+        changed.write_bytes(b"changed after the scan")
+        for path in files:
+            mounted = spoke.mountpoint / path.relative_to(source)
+            if path == changed:
+                with pytest.raises(OSError) as failure:
+                    mounted.read_bytes()
+                assert failure.value.errno == errno.ESTALE
+            else:
+                assert mounted.read_bytes() == path.read_bytes()
+        stats = spoke.stats()
+    assert "GET /v1/batch?" in hub.stderr_text() and '" 412 ' in hub.stderr_text()
+    assert stats["block_misses"] <= 4  # the others came from prefetch (batched, then one by one), not on demand
+
+
 def test_removed_and_added_files_after_refresh(dataset: Path, tmp_path: Path) -> None:
     source = tmp_path / "source"
     shutil.copytree(dataset, source, symlinks=True)

@@ -1,0 +1,68 @@
+"""The hub's batch endpoint (many small files in one answer), through a real hub."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import xxhash
+from hub_helpers import http_get, running_hub
+from test_hub_checksums import manifest_files
+
+KiB = 1024
+
+
+def small_tree(root: Path) -> dict[str, bytes]:
+    contents = {f"d/f{i}.bin": bytes([i]) * (1000 + 997 * i) for i in range(5)}
+    contents["empty.bin"] = b""
+    contents["big.bin"] = bytes(64 * KiB + 1)
+    for relative, data in contents.items():
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_bytes(data)
+    return contents
+
+
+def test_a_batch_answers_the_files_back_to_back_with_their_sums(tmp_path: Path) -> None:
+    contents = small_tree(tmp_path)
+    with running_hub(tmp_path) as hub:
+        entries = manifest_files(hub.url)
+        order = ["d/f3.bin", "d/f0.bin", "empty.bin", "d/f4.bin"]
+        names = ",".join(f"{entries[p]['i']}.{entries[p]['v']}" for p in order)
+        reply = http_get(hub, f"/v1/batch?bs={64 * KiB}&f={names}")
+        assert reply.status == 200, reply.body
+        assert reply.body == b"".join(contents[p] for p in order)
+        assert reply.headers["content-length"] == str(len(reply.body))
+        sums = [format(xxhash.xxh3_64_intdigest(contents[p]), "016x") for p in order]
+        assert reply.headers["cachefs-batch-sums"] == ",".join(sums)
+        assert "immutable" in reply.headers["cache-control"]
+
+
+def test_a_batch_is_refused_whole(tmp_path: Path) -> None:
+    small_tree(tmp_path)
+    with running_hub(tmp_path) as hub:
+        entries = manifest_files(hub.url)
+
+        def name(path: str) -> str:
+            return f"{entries[path]['i']}.{entries[path]['v']}"
+
+        good = name("d/f1.bin")
+        for query, status in [
+            (f"bs={64 * KiB}&f={good},{entries['d/f2.bin']['i']}.{'0' * 16}", 412),  # another version
+            (f"bs={64 * KiB}&f={good},{'f' * 16}.{'0' * 16}", 412),  # not in the snapshot
+            (f"bs={64 * KiB}&f={good},{name('big.bin')}", 400),  # larger than one block
+            (f"bs={64 * KiB}&f=" + ",".join([good] * 65), 400),  # more than 64 files
+            (f"bs={64 * KiB}&f=", 400),
+            (f"bs={64 * KiB}&f={good};", 400),
+            (f"bs={64 * KiB}&f={good.upper()}", 400),
+            (f"bs=1000&f={good}", 400),  # not a power of two
+            (f"f={good}", 400),  # no block size
+            (f"bs={64 * KiB}&f={good}&f={good}", 400),
+            (f"bs={64 * KiB}&f={good}&x=1", 400),
+        ]:
+            reply = http_get(hub, f"/v1/batch?{query}")
+            assert reply.status == status, (query, reply.body)
+            assert reply.headers["content-type"].startswith("application/json") and b"error" in reply.body
+        # A file changed on disk since the scan: the whole batch is refused.
+        (tmp_path / "d/f2.bin").write_bytes(b"changed")
+        reply = http_get(hub, f"/v1/batch?bs={64 * KiB}&f={good},{name('d/f2.bin')}")
+        assert reply.status == 412 and b"d/f2.bin" not in reply.body  # the answer names ids, never paths
+        assert http_get(hub, f"/v1/batch?bs={64 * KiB}&f={good}").status == 200
