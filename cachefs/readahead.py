@@ -56,6 +56,12 @@ SEQUENTIAL_THRESHOLD = 3
 # so random readers do not start one by chance.
 REORDER_BLOCKS = 4
 INITIAL_WINDOW_BLOCKS = 4
+# A file read from its first byte on is the clearest sign of a whole-file
+# read (a random sampler starts there once in size/sample reads): its stream
+# starts with the second read and a larger window, which saves a cold start
+# a round trip and two doublings of the window.
+FROM_START_THRESHOLD = 2
+FROM_START_WINDOW_BLOCKS = 16
 # Files remembered by sibling prefetch (see prefetch_siblings).
 SIBLINGS_REMEMBERED = 4096
 # Small files per batch request (hubserver/batch.py); a batch also holds at
@@ -77,6 +83,7 @@ class OpenFile:
     inode: Inode
     next_offset: int = 0
     sequential_reads: int = 0
+    stream_start: int = 0  # offset where the current run of sequential reads began
     window_blocks: int = 0
     prefetched_until: int = 0  # first block not yet asked for by read-ahead
     next_file_asked: bool = False  # the window reached the end: the next file's head was asked for
@@ -124,20 +131,24 @@ class ReadAhead:
         """Every read, before it is served: track the stream; keep the window ahead of `last_block` asked for."""
         if self.planned is not None and self.planned(handle.inode):
             return
-        slack = REORDER_BLOCKS * self.block_size if handle.sequential_reads >= SEQUENTIAL_THRESHOLD else 0
-        if handle.next_offset - slack <= offset <= handle.next_offset + slack:
+        if self._continues(handle, offset):
             handle.sequential_reads += 1
             handle.next_offset = max(handle.next_offset, end)
         else:
             handle.sequential_reads = 1
+            handle.stream_start = offset
             handle.window_blocks = 0
             handle.prefetched_until = 0
             handle.next_offset = end
             self._note_random_read(handle.inode)
-        if handle.sequential_reads < SEQUENTIAL_THRESHOLD or self._max_window_blocks == 0:
+        from_start = handle.stream_start == 0
+        if handle.sequential_reads < (FROM_START_THRESHOLD if from_start else SEQUENTIAL_THRESHOLD):
+            return
+        if self._max_window_blocks == 0:
             return
         if handle.window_blocks == 0:
-            handle.window_blocks = min(INITIAL_WINDOW_BLOCKS, self._max_window_blocks)
+            initial = FROM_START_WINDOW_BLOCKS if from_start else INITIAL_WINDOW_BLOCKS
+            handle.window_blocks = min(initial, self._max_window_blocks)
         elif last_block < handle.prefetched_until:
             # The reader is consuming what was read ahead: it keeps up, so grow.
             handle.window_blocks = min(handle.window_blocks * 2, self._max_window_blocks)
@@ -153,6 +164,12 @@ class ReadAhead:
         for run_start in range(start, target, COALESCE_BLOCKS):
             self._start_prefetch(handle, run_start, min(run_start + COALESCE_BLOCKS, target))
         handle.prefetched_until = target
+
+    def _continues(self, handle: OpenFile, offset: int) -> bool:
+        """Whether a read at `offset` continues the handle's sequential run (with slack once it is a stream)."""
+        threshold = FROM_START_THRESHOLD if handle.stream_start == 0 else SEQUENTIAL_THRESHOLD
+        slack = REORDER_BLOCKS * self.block_size if handle.sequential_reads >= threshold else 0
+        return handle.next_offset - slack <= offset <= handle.next_offset + slack
 
     def _read_ahead_next_file(self, inode: Inode, blocks: int) -> None:
         """A sequential reader near the end of a large file: ask for the head of the next

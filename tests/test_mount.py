@@ -159,9 +159,10 @@ def test_remount_with_hub_stopped_serves_cached_blocks(dataset: Path, tmp_path: 
         for relative in read_before:
             assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
         assert spoke.stats()["fetches"] == 0
-        # Data never read before cannot be had: a clean EIO, bounded in time.
+        # Data never read before cannot be had: a clean EIO, bounded in time. (Not
+        # shard-001: read-ahead of shard-000 went on into it, the next file in tree order.)
         with pytest.raises(OSError) as failure:
-            read_uncached(spoke.mountpoint / "shards" / "shard-001.bin")
+            read_uncached(spoke.mountpoint / "shards" / "shard-004.bin")
         assert failure.value.errno == errno.EIO
         assert "offline" in spoke.log_text()
 
@@ -285,6 +286,27 @@ def test_opening_a_small_file_prefetches_the_files_after_it_across_directories(s
     for path in wanted:  # prefetched (cached or on its way): not a miss
         assert (spoke.mountpoint / path.relative_to(dataset)).read_bytes() == path.read_bytes()
     assert spoke.stats()["block_misses"] == stats["block_misses"]
+
+
+def test_a_stream_from_the_first_byte_starts_read_ahead_with_the_second_read(hub, dataset: Path, tmp_path: Path) -> None:
+    """Two reads in a row from offset 0 start read-ahead (with a 16-block window); two in a row elsewhere do not yet."""
+
+    def two_reads(path: Path, first_block: int) -> bytes:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)  # exactly these reads reach the daemon
+        try:
+            return b"".join(os.pread(fd, TEST_BLOCK_SIZE, (first_block + i) * TEST_BLOCK_SIZE) for i in range(2))
+        finally:
+            os.close(fd)
+
+    with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS) as spoke:
+        elsewhere = "shards/shard-001.bin"
+        source = (dataset / elsewhere).read_bytes()
+        assert two_reads(spoke.mountpoint / elsewhere, 10) == source[10 * TEST_BLOCK_SIZE : 12 * TEST_BLOCK_SIZE]
+        time.sleep(0.3)
+        assert spoke.stats()["readahead_fetches"] == 0
+        from_start = "shards/shard-000.bin"  # 49 blocks
+        assert two_reads(spoke.mountpoint / from_start, 0) == (dataset / from_start).read_bytes()[: 2 * TEST_BLOCK_SIZE]
+        wait_for_stats(spoke, lambda stats: stats["readahead_fetches"] >= 16)
 
 
 def test_a_large_file_read_at_random_is_filled_in_the_background(hub, dataset: Path, tmp_path: Path) -> None:
