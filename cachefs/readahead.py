@@ -68,6 +68,7 @@ SIBLINGS_REMEMBERED = 4096
 # most a read-ahead run's bytes (COALESCE_BLOCKS blocks), which keeps the
 # memory read-ahead can have in flight where it was.
 BATCH_FILES = 16
+BATCH_MAX_BYTES = 8 * 1024 * 1024  # the hub's limit (docs/protocol.md)
 # Random reads of a large file before it is filled in the background, and
 # the read-ahead runs all fills together keep in flight (8 x 4 MiB: ~500 MB/s
 # at 60 ms; read-ahead's limit on connections applies too).
@@ -112,7 +113,7 @@ class ReadAhead:
         self.block_size = block_size
         self._max_window_blocks = readahead_blocks
         self._sibling_prefetch_files = sibling_prefetch_files
-        self._batch_bytes = COALESCE_BLOCKS * block_size
+        self._batch_bytes = min(COALESCE_BLOCKS * block_size, BATCH_MAX_BYTES)
         self._nursery = nursery
         self._queued: set[BlockKey] = set()  # read-ahead asked for, not started yet
         # Files asked for by sibling prefetch -> how many files after them were too.
@@ -251,11 +252,13 @@ class ReadAhead:
                 wanted.append(sibling)
         while len(self._siblings_ahead) > SIBLINGS_REMEMBERED:
             self._siblings_ahead.popitem(last=False)
-        if not self._fetcher.batches:
-            for sibling in wanted:
+        batchable: list[Inode] = []
+        for sibling in wanted:
+            if self._fetcher.batches and sibling.size <= self._batch_bytes:
+                batchable.append(sibling)
+            else:  # the hub takes no batches, or the file is too large for one
                 self._start_prefetch(OpenFile(sibling), 0, 1)
-            return
-        for batch in self._batches(wanted):
+        for batch in self._batches(batchable):
             keys = [self._head(sibling) for sibling in batch]
             self._queued.update(keys)
             self._nursery.start_soon(self._prefetch_batch, batch, keys)

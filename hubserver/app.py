@@ -91,6 +91,7 @@ def make_app(config: HubConfig, auth: HubAuth | None = None) -> web.Application:
     add_get("/v1/files/{file_id}", checksums.file_data, name=ENDPOINT_FILES)
     app[checksums.CHECKSUMS_KEY] = checksums.ChecksumCache()
     add_get("/v1/files/{file_id}/checksums", checksums.file_checksums, allow_head=False, name=ENDPOINT_CHECKSUMS)
+    app[batch.SLOTS_KEY] = asyncio.Semaphore(batch.MAX_IN_MEMORY)
     add_get("/v1/batch", batch.batch, allow_head=False, name=ENDPOINT_BATCH)
     add_get("/metrics", handlers.metrics, name=ENDPOINT_METRICS)
     app.router.add_post("/v1/rescan", rescan.rescan_request, name=ENDPOINT_RESCAN)

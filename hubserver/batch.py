@@ -30,7 +30,11 @@ from hubserver.manifest import FileChangedError, FileRecord, Snapshot, open_unch
 LOG = logging.getLogger(__name__)
 
 MAX_FILES: Final = 64
-MAX_BYTES: Final = 16 * 1024 * 1024  # what one answer holds in the hub's memory
+MAX_BYTES: Final = 8 * 1024 * 1024  # what one answer holds in the hub's memory
+# Batches held in memory at once (at most 256 MiB); one more is answered 503
+# at once (clients retry), so slow readers cannot make the hub hold more.
+MAX_IN_MEMORY: Final = 32
+SLOTS_KEY: Final = web.AppKey("batch_slots", asyncio.Semaphore)
 SUMS_HEADER: Final = "Cachefs-Batch-Sums"
 _QUERY: Final = frozenset({"bs", "f"})
 _NAME: Final = r"[0-9a-f]{16}\.[0-9a-f]{16}"
@@ -53,20 +57,29 @@ async def batch(request: web.Request) -> web.StreamResponse:
         records = [_record(snapshot, name, block_bytes) for name in names.split(",")]
         if sum(record.size_bytes for record in records) > MAX_BYTES:
             raise HubHTTPError(400, f"a batch holds at most {MAX_BYTES} bytes")
-        contents = await asyncio.get_running_loop().run_in_executor(None, _read_all, snapshot, records)
+        slots = request.app[SLOTS_KEY]
+        if slots.locked():
+            raise HubHTTPError(503, f"{MAX_IN_MEMORY} batches under way; retry", {"Retry-After": "1"})
+        async with slots:
+            contents = await asyncio.get_running_loop().run_in_executor(None, _read_all, snapshot, records)
+            return await _send(request, contents)
     except _NotInSnapshot as exc:
         LOG.info("batch: %s; answering 412", exc)
         return json_error(412, str(exc))
+
+
+async def _send(request: web.Request, contents: list[tuple[bytes, int]]) -> web.StreamResponse:
+    """200 with the contents back to back and their checksums in SUMS_HEADER."""
     response = web.StreamResponse(
         headers={
             "Content-Type": "application/octet-stream",
             "Cache-Control": IMMUTABLE_CACHE_CONTROL,
-            SUMS_HEADER: ",".join(format(xxhash.xxh3_64_intdigest(content), "016x") for content in contents),
+            SUMS_HEADER: ",".join(format(checksum, "016x") for _, checksum in contents),
         }
     )
-    response.content_length = sum(len(content) for content in contents)
+    response.content_length = sum(len(content) for content, _ in contents)
     await response.prepare(request)
-    for content in contents:
+    for content, _ in contents:
         await response.write(content)
     await response.write_eof()
     return response
@@ -82,8 +95,8 @@ def _record(snapshot: Snapshot, name: str, block_bytes: int) -> FileRecord:
     return record
 
 
-def _read_all(snapshot: Snapshot, records: list[FileRecord]) -> list[bytes]:
-    """Each file's bytes, read from the inode the scan recorded. Blocking."""
+def _read_all(snapshot: Snapshot, records: list[FileRecord]) -> list[tuple[bytes, int]]:
+    """Each file's bytes, read from the inode the scan recorded, and their xxh3_64. Blocking."""
     contents = []
     for record in records:
         try:
@@ -97,5 +110,5 @@ def _read_all(snapshot: Snapshot, records: list[FileRecord]) -> list[bytes]:
             os.close(fd)
         if len(content) != record.size_bytes:
             raise _NotInSnapshot(f"file {record.file_id} shrank on disk since the snapshot")
-        contents.append(content)
+        contents.append((content, xxhash.xxh3_64_intdigest(content)))
     return contents
