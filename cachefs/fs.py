@@ -191,7 +191,7 @@ class CachefsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR if entry.is_dir else errno.EINVAL)
         handle_id = self._next_handle
         self._next_handle += 1
-        self._handles[handle_id] = OpenFile(entry)
+        self._handles[handle_id] = OpenFile(entry, reader=ctx.pid)
         self._reader.readahead.prefetch_siblings(entry)
         # The snapshot's bytes never change under this mount: keep the page cache.
         return pyfuse3.FileInfo(fh=handle_id, keep_cache=True)

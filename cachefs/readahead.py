@@ -62,6 +62,10 @@ INITIAL_WINDOW_BLOCKS = 4
 # a round trip and two doublings of the window.
 FROM_START_THRESHOLD = 2
 FROM_START_WINDOW_BLOCKS = 16
+# Readers whose stride through the files is remembered, and the largest stride
+# (files) that is followed (see _read_ahead_next_file).
+READERS_REMEMBERED = 1024
+MAX_STRIDE_FILES = 64
 # Files remembered by sibling prefetch (see prefetch_siblings).
 SIBLINGS_REMEMBERED = 4096
 # Small files per batch request (hubserver/batch.py); a batch also holds at
@@ -82,6 +86,7 @@ class OpenFile:
     """Per-handle read-ahead state."""
 
     inode: Inode
+    reader: int = 0  # the process (thread) that opened it, from the FUSE request
     next_offset: int = 0
     sequential_reads: int = 0
     stream_start: int = 0  # offset where the current run of sequential reads began
@@ -124,6 +129,10 @@ class ReadAhead:
         self._fill_reserved = 0  # bytes of the files being filled: each fill must fit beside the others
         self._filled: collections.OrderedDict[int, None] = collections.OrderedDict()  # fills that completed
         self._fill_slots = trio.Semaphore(FILL_RUNS_IN_FLIGHT)
+        # Per reader (FUSE request pid): the last file it read from the start and the
+        # stride it goes through files with; the step before, to confirm a stride.
+        self._strides: collections.OrderedDict[int, tuple[Inode | None, int]] = collections.OrderedDict()
+        self._last_steps: collections.OrderedDict[int, int] = collections.OrderedDict()
         # Whether a loader's plan covers a file: then the plan's prefetch, which
         # knows what comes next, replaces these guesses.
         self.planned: Callable[[Inode], bool] | None = None
@@ -148,6 +157,8 @@ class ReadAhead:
         if self._max_window_blocks == 0:
             return
         if handle.window_blocks == 0:
+            if from_start:
+                self._note_stream_start(handle)
             initial = FROM_START_WINDOW_BLOCKS if from_start else INITIAL_WINDOW_BLOCKS
             handle.window_blocks = min(initial, self._max_window_blocks)
         elif last_block < handle.prefetched_until:
@@ -156,7 +167,7 @@ class ReadAhead:
         overflow = last_block + 1 + handle.window_blocks - handle.inode.block_count(self.block_size)
         if overflow > 0 and not handle.next_file_asked:
             handle.next_file_asked = True
-            self._read_ahead_next_file(handle.inode, overflow)
+            self._read_ahead_next_file(handle, overflow)
         target = min(last_block + 1 + handle.window_blocks, handle.inode.block_count(self.block_size))
         start = max(last_block + 1, handle.prefetched_until)
         # Ask in whole runs, as soon as a run's worth of the window is free.
@@ -172,16 +183,36 @@ class ReadAhead:
         slack = REORDER_BLOCKS * self.block_size if handle.sequential_reads >= threshold else 0
         return handle.next_offset - slack <= offset <= handle.next_offset + slack
 
-    def _read_ahead_next_file(self, inode: Inode, blocks: int) -> None:
-        """A sequential reader near the end of a large file: ask for the head of the next
-        large file in tree order (shards are streamed one after the other), so the
-        link does not drain and ramp up again at every file boundary."""
-        for following in self._namespace.files_after(inode, 1):
-            if following.size > self.block_size * COALESCE_BLOCKS and (self.planned is None or not self.planned(following)):
-                handle = OpenFile(following)
-                stop = min(max(blocks, COALESCE_BLOCKS), following.block_count(self.block_size))
-                for run_start in range(0, stop, COALESCE_BLOCKS):
-                    self._start_prefetch(handle, run_start, min(run_start + COALESCE_BLOCKS, stop))
+    def _read_ahead_next_file(self, handle: OpenFile, blocks: int) -> None:
+        """A sequential reader near the end of a large file: ask for the head of the
+        large file it will read next, so the link does not drain and ramp up again at
+        every file boundary. That is the next file in tree order (shards streamed one
+        after the other), or every k-th one for a reader seen to go k files at a time
+        (a rank of a job that shares shards out round robin)."""
+        stride = self._strides.get(handle.reader, (None, 1))[1]
+        following = self._namespace.files_after(handle.inode, stride)
+        if len(following) < stride:
+            return
+        target = following[stride - 1]
+        if target.size > self.block_size * COALESCE_BLOCKS and (self.planned is None or not self.planned(target)):
+            head = OpenFile(target)
+            stop = min(max(blocks, COALESCE_BLOCKS), target.block_count(self.block_size))
+            for run_start in range(0, stop, COALESCE_BLOCKS):
+                self._start_prefetch(head, run_start, min(run_start + COALESCE_BLOCKS, stop))
+
+    def _note_stream_start(self, handle: OpenFile) -> None:
+        """A reader started reading a file from its first byte: learn how many files it
+        moved on from the last one it did that with, in the same directory. A stride
+        seen twice in a row is used to guess its next file; anything else means 1."""
+        last, stride = self._strides.pop(handle.reader, (None, 1))
+        step = handle.inode.position - last.position if last is not None and last.parent == handle.inode.parent else 0
+        confirmed = step if 1 <= step <= MAX_STRIDE_FILES and step == self._last_steps.get(handle.reader) else 1
+        self._last_steps[handle.reader] = step
+        self._last_steps.move_to_end(handle.reader)
+        self._strides[handle.reader] = (handle.inode, confirmed)
+        for remembered in (self._strides, self._last_steps):
+            while len(remembered) > READERS_REMEMBERED:
+                remembered.popitem(last=False)
 
     # -- background fill of randomly read files ------------------------------------
 

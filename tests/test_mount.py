@@ -16,6 +16,7 @@ from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE, source_files
 from hub_helpers import running_hub, sample, scrape_metrics
 from mount_helpers import SpokeMount, cache_data_files, cache_disk_bytes, is_mounted, mounted_spoke, wait_for_stats
+from test_hub_checksums import manifest_files
 
 
 def read_uncached(path: Path, offset: int = 0, length: int | None = None, timings: list[float] | None = None) -> bytes:
@@ -307,6 +308,28 @@ def test_a_stream_from_the_first_byte_starts_read_ahead_with_the_second_read(hub
         from_start = "shards/shard-000.bin"  # 49 blocks
         assert two_reads(spoke.mountpoint / from_start, 0) == (dataset / from_start).read_bytes()[: 2 * TEST_BLOCK_SIZE]
         wait_for_stats(spoke, lambda stats: stats["readahead_fetches"] >= 16)
+
+
+def test_read_ahead_follows_a_reader_that_takes_every_other_file(tmp_path: Path) -> None:
+    """A reader that streams files 0, 2, 4 (a rank of a job sharing shards out round robin)
+    gets the head of file 6 asked for near the end of file 4, not file 5."""
+    root = tmp_path / "data"
+    (root / "shards").mkdir(parents=True)
+    sources = [random.Random(index).randbytes(8 * TEST_BLOCK_SIZE) for index in range(8)]
+    for index, data in enumerate(sources):
+        (root / "shards" / f"part-{index}.bin").write_bytes(data)
+    with running_hub(root) as hub:
+        ids = {entry["p"]: entry["i"] for entry in manifest_files(hub.url).values()}
+        with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS) as spoke:
+            for index in (0, 2, 4):
+                fd = os.open(spoke.mountpoint / "shards" / f"part-{index}.bin", os.O_RDONLY | os.O_DIRECT)
+                try:  # block by block: each read reaches the daemon
+                    read = b"".join(os.pread(fd, TEST_BLOCK_SIZE, block * TEST_BLOCK_SIZE) for block in range(8))
+                finally:
+                    os.close(fd)
+                assert read == sources[index]
+            wait_for_stats(spoke, lambda stats: f"/v1/files/{ids['shards/part-6.bin']}?" in hub.stderr_text())
+    assert f"/v1/files/{ids['shards/part-5.bin']}?" not in hub.stderr_text()
 
 
 def test_a_large_file_read_at_random_is_filled_in_the_background(hub, dataset: Path, tmp_path: Path) -> None:
