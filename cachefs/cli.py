@@ -48,9 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         "and the background fill of randomly read files (default: 64)",
     )
     mount.add_argument(
-        "--prefetch-siblings", type=int, default=64, metavar="N",
+        "--prefetch-siblings", type=int, default=128, metavar="N",
         help="opening a small file prefetches the next N files in tree order, across directories, "
-        "up to 16 per request; 0 disables (default: 64)",
+        "at most 16 MiB, up to 16 per request; 0 disables (default: 128)",
     )
     mount.add_argument(
         "--fetch-timeout", type=float, default=30.0, metavar="SECONDS",

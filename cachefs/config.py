@@ -141,7 +141,7 @@ class MountConfig:
     # Opening a small file prefetches this many files after it in its
     # directory: a directory-order walk then costs a round trip per batch,
     # not per file.
-    sibling_prefetch_files: int = 64
+    sibling_prefetch_files: int = 128
     # Freshly used blocks kept in daemon memory, so the kernel's smaller
     # read requests into one block cost one disk read, not several.
     memory_blocks: int = 16

@@ -66,8 +66,10 @@ FROM_START_WINDOW_BLOCKS = 16
 # (files) that is followed (see _read_ahead_next_file).
 READERS_REMEMBERED = 1024
 MAX_STRIDE_FILES = 64
-# Files remembered by sibling prefetch (see prefetch_siblings).
+# Files remembered by sibling prefetch (see prefetch_siblings), and the most
+# bytes one walk asks for (the WAN a reader that opens one file can cost).
 SIBLINGS_REMEMBERED = 4096
+SIBLING_PREFETCH_BYTES = 16 * 1024 * 1024
 # Small files per batch request (hubserver/batch.py); a batch also holds at
 # most a read-ahead run's bytes (COALESCE_BLOCKS blocks), which keeps the
 # memory read-ahead can have in flight where it was.
@@ -267,17 +269,19 @@ class ReadAhead:
     def prefetch_siblings(self, inode: Inode) -> None:
         """On open of a small file, fetch the files after it in tree order.
 
+        At most `sibling_prefetch_files` files and SIBLING_PREFETCH_BYTES.
         Skipped while the file was itself asked for by a recent walk with at
-        least half the lookahead still ahead of it: readers going through a
+        least half that walk still ahead of it: readers going through a
         directory then walk once per half window, not once per file.
         """
         count = self._sibling_prefetch_files
-        if count == 0 or inode.size > self.block_size or self._siblings_ahead.get(inode.ino, 0) >= count // 2:
+        if count == 0 or inode.size > self.block_size or self._siblings_ahead.get(inode.ino, -1) >= 0:
             return
-        followers = self._namespace.files_after(inode, count)
+        followers = self._covered(self._namespace.files_after(inode, count))
         wanted: list[Inode] = []
         for index, sibling in enumerate(followers):
-            self._siblings_ahead[sibling.ino] = len(followers) - 1 - index
+            # Files ahead of it in this walk, less half the walk: >= 0 while a walk would add little.
+            self._siblings_ahead[sibling.ino] = len(followers) - 1 - index - len(followers) // 2
             self._siblings_ahead.move_to_end(sibling.ino)
             if 0 < sibling.size <= self.block_size and not self._asked(self._head(sibling)):
                 wanted.append(sibling)
@@ -293,6 +297,16 @@ class ReadAhead:
             keys = [self._head(sibling) for sibling in batch]
             self._queued.update(keys)
             self._nursery.start_soon(self._prefetch_batch, batch, keys)
+
+    @staticmethod
+    def _covered(followers: list[Inode]) -> list[Inode]:
+        """The first of `followers` that fit in SIBLING_PREFETCH_BYTES (at least one)."""
+        room = SIBLING_PREFETCH_BYTES
+        for index, follower in enumerate(followers):
+            room -= follower.size
+            if room < 0:
+                return followers[: max(1, index)]
+        return followers
 
     def _batches(self, files: list[Inode]) -> Iterator[list[Inode]]:
         """Small files in groups of at most BATCH_FILES and a read-ahead run's bytes."""
