@@ -287,22 +287,28 @@ class Fetcher:
                 expected = self._checksums.known(key, count) or await self._checksums.expected(key, count)
         else:
             pieces, expected = await self._data_and_sums(key, start, lengths)
-        for offset, (piece, checksum) in enumerate(zip(pieces, expected, strict=True)):
-            if xxhash.xxh3_64_intdigest(piece) != checksum:
-                self._stats.integrity_failures += 1
-                self._checksums.forget(key, count)
-                raise HubProtocolError(f"block {key.blockno + offset} of file {key.file_id.hex()} failed its checksum")
+        offset = self._first_mismatch(pieces, expected)
+        if offset is not None:
+            self._checksums.forget(key, count)
+            raise HubProtocolError(f"block {key.blockno + offset} of file {key.file_id.hex()} failed its checksum")
         return pieces
 
     async def _verified_batch(self, keys: Sequence[BlockKey], lengths: Sequence[int]) -> list[bytearray]:
         """One attempt at a batch of whole small files, each checked against the hub's checksum."""
         files = [(key.file_id.hex(), key.version.hex()) for key in keys]
         pieces, sums = await self._client.get_batch(files, lengths, self._block_size)
-        for key, piece, checksum in zip(keys, pieces, sums, strict=True):
+        index = self._first_mismatch(pieces, sums)
+        if index is not None:
+            raise HubProtocolError(f"file {keys[index].file_id.hex()} of a batch failed its checksum")
+        return pieces
+
+    def _first_mismatch(self, pieces: list[bytearray], expected: Sequence[int]) -> int | None:
+        """The index of the first piece whose xxh3 is not the hub's (counted as an integrity failure), or None."""
+        for index, (piece, checksum) in enumerate(zip(pieces, expected, strict=True)):
             if xxhash.xxh3_64_intdigest(piece) != checksum:
                 self._stats.integrity_failures += 1
-                raise HubProtocolError(f"file {key.file_id.hex()} of a batch failed its checksum")
-        return pieces
+                return index
+        return None
 
     async def _data_and_sums(self, key: BlockKey, start: int, lengths: list[int]) -> tuple[list[bytearray], list[int]]:
         """The data request and the checksum request, side by side (no extra round trip)."""

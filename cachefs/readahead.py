@@ -98,6 +98,15 @@ class OpenFile:
     closed: bool = False
 
 
+@dataclasses.dataclass
+class _ReaderFiles:
+    """How one reader (a FUSE request pid) goes through the files it reads from their first byte."""
+
+    last: Inode  # the last of them
+    step: int  # files from the one before to it, in one directory (0: none, or another directory)
+    stride: int  # the step seen twice in a row, else 1: how far ahead its next file is
+
+
 class ReadAhead:
     """The read-ahead policies of one mount (sequential window, next file, random fill, siblings)."""
 
@@ -131,17 +140,14 @@ class ReadAhead:
         self._fill_reserved = 0  # bytes of the files being filled: each fill must fit beside the others
         self._filled: collections.OrderedDict[int, None] = collections.OrderedDict()  # fills that completed
         self._fill_slots = trio.Semaphore(FILL_RUNS_IN_FLIGHT)
-        # Per reader (FUSE request pid): the last file it read from the start and the
-        # stride it goes through files with; the step before, to confirm a stride.
-        self._strides: collections.OrderedDict[int, tuple[Inode | None, int]] = collections.OrderedDict()
-        self._last_steps: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._readers: collections.OrderedDict[int, _ReaderFiles] = collections.OrderedDict()
         # Whether a loader's plan covers a file: then the plan's prefetch, which
         # knows what comes next, replaces these guesses.
         self.planned: Callable[[Inode], bool] | None = None
 
     def on_read(self, handle: OpenFile, offset: int, end: int, last_block: int) -> None:
         """Every read, before it is served: track the stream; keep the window ahead of `last_block` asked for."""
-        if self.planned is not None and self.planned(handle.inode):
+        if self._planned(handle.inode):
             return
         if self._continues(handle, offset):
             handle.sequential_reads += 1
@@ -191,12 +197,13 @@ class ReadAhead:
         every file boundary. That is the next file in tree order (shards streamed one
         after the other), or every k-th one for a reader seen to go k files at a time
         (a rank of a job that shares shards out round robin)."""
-        stride = self._strides.get(handle.reader, (None, 1))[1]
+        reader = self._readers.get(handle.reader)
+        stride = reader.stride if reader is not None else 1
         following = self._namespace.files_after(handle.inode, stride)
         if len(following) < stride:
             return
         target = following[stride - 1]
-        if target.size > self.block_size * COALESCE_BLOCKS and (self.planned is None or not self.planned(target)):
+        if target.size > self.block_size * COALESCE_BLOCKS and not self._planned(target):
             head = OpenFile(target)
             stop = min(max(blocks, COALESCE_BLOCKS), target.block_count(self.block_size))
             for run_start in range(0, stop, COALESCE_BLOCKS):
@@ -206,15 +213,18 @@ class ReadAhead:
         """A reader started reading a file from its first byte: learn how many files it
         moved on from the last one it did that with, in the same directory. A stride
         seen twice in a row is used to guess its next file; anything else means 1."""
-        last, stride = self._strides.pop(handle.reader, (None, 1))
-        step = handle.inode.position - last.position if last is not None and last.parent == handle.inode.parent else 0
-        confirmed = step if 1 <= step <= MAX_STRIDE_FILES and step == self._last_steps.get(handle.reader) else 1
-        self._last_steps[handle.reader] = step
-        self._last_steps.move_to_end(handle.reader)
-        self._strides[handle.reader] = (handle.inode, confirmed)
-        for remembered in (self._strides, self._last_steps):
-            while len(remembered) > READERS_REMEMBERED:
-                remembered.popitem(last=False)
+        previous = self._readers.pop(handle.reader, None)
+        step = 0
+        if previous is not None and previous.last.parent == handle.inode.parent:
+            step = handle.inode.position - previous.last.position
+        confirmed = previous is not None and step == previous.step and 1 <= step <= MAX_STRIDE_FILES
+        self._readers[handle.reader] = _ReaderFiles(handle.inode, step, step if confirmed else 1)
+        while len(self._readers) > READERS_REMEMBERED:
+            self._readers.popitem(last=False)
+
+    def _planned(self, inode: Inode) -> bool:
+        """Whether a loader's plan covers the file (its prefetch then replaces these guesses)."""
+        return self.planned is not None and self.planned(inode)
 
     # -- background fill of randomly read files ------------------------------------
 
@@ -258,7 +268,7 @@ class ReadAhead:
     async def _fill_run(self, handle: OpenFile, first: int) -> None:
         try:
             stop = min(first + COALESCE_BLOCKS, handle.inode.block_count(self.block_size))
-            keys = [BlockKey(handle.inode.file_id, handle.inode.version, b) for b in range(first, stop)]
+            keys = self._keys(handle.inode, first, stop)
             self._queued.update(keys)
             await self._prefetch_run(handle, first, stop, keys)
         finally:
@@ -311,26 +321,33 @@ class ReadAhead:
     def _batches(self, files: list[Inode]) -> Iterator[list[Inode]]:
         """Small files in groups of at most BATCH_FILES and a read-ahead run's bytes."""
         batch: list[Inode] = []
+        batch_bytes = 0
         for inode in files:
-            if batch and (len(batch) == BATCH_FILES or sum(f.size for f in batch) + inode.size > self._batch_bytes):
+            if batch and (len(batch) == BATCH_FILES or batch_bytes + inode.size > self._batch_bytes):
                 yield batch
-                batch = []
+                batch, batch_bytes = [], 0
             batch.append(inode)
+            batch_bytes += inode.size
         if batch:
             yield batch
 
     async def _prefetch_batch(self, files: list[Inode], queued: list[BlockKey]) -> None:
-        """Fetch the small files of `files` that are neither cached nor in flight, with one request."""
+        """Fetch the small files of `files` (`queued`: their block 0, in order) that are neither
+        cached nor in flight, with one request."""
         try:
             async with self._fetcher.prefetch_slots:
-                missing = [inode for inode in files if not self._in_flight_or_cached(self._head(inode))]
+                missing = [(key, inode) for key, inode in zip(queued, files, strict=True) if not self._in_flight_or_cached(key)]
                 if missing:
                     self._stats.readahead_fetches += len(missing)
-                    keys = [self._head(inode) for inode in missing]
-                    if not await self._fetcher.prefetch_files(keys, [inode.size for inode in missing]):
+                    keys, sizes = [key for key, _ in missing], [inode.size for _, inode in missing]
+                    if not await self._fetcher.prefetch_files(keys, sizes):
                         log.debug("sibling prefetch of %d files failed", len(missing))
         finally:
             self._queued.difference_update(queued)
+
+    @staticmethod
+    def _keys(inode: Inode, first: int, stop: int) -> list[BlockKey]:
+        return [BlockKey(inode.file_id, inode.version, blockno) for blockno in range(first, stop)]
 
     @staticmethod
     def _head(inode: Inode) -> BlockKey:
@@ -350,7 +367,7 @@ class ReadAhead:
         directory asks for the same siblings again and again. Returns
         whether anything was queued.
         """
-        keys = [BlockKey(handle.inode.file_id, handle.inode.version, b) for b in range(first, stop)]
+        keys = self._keys(handle.inode, first, stop)
         if all(self._asked(key) for key in keys):
             return False
         self._queued.update(keys)
