@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import gzip
+import json
 from pathlib import Path
 
 import xxhash
+from aiohttp.test_utils import TestClient, TestServer
 from hub_helpers import http_get, running_hub
 from test_hub_checksums import manifest_files
+
+from hubserver import batch
+from hubserver.app import make_app
+from hubserver.config import HubConfig
 
 KiB = 1024
 
@@ -66,3 +74,34 @@ def test_a_batch_is_refused_whole(tmp_path: Path) -> None:
         reply = http_get(hub, f"/v1/batch?bs={64 * KiB}&f={good},{name('d/f2.bin')}")
         assert reply.status == 412 and b"d/f2.bin" not in reply.body  # the answer names ids, never paths
         assert http_get(hub, f"/v1/batch?bs={64 * KiB}&f={good}").status == 200
+
+
+def test_batches_beyond_the_memory_slots_are_answered_503_until_one_is_free(tmp_path: Path) -> None:
+    """The hub holds at most MAX_IN_MEMORY batches; one more is refused at once with
+    Retry-After (the spoke retries), and taken again once a slot is free. In process,
+    so that the test can hold the slots the way 32 slow readers would."""
+    contents = small_tree(tmp_path)
+
+    async def scenario() -> None:
+        app = make_app(HubConfig(root=tmp_path, access_log=False))
+        async with TestClient(TestServer(app)) as client:
+            manifest = await (await client.get("/v1/manifest", auto_decompress=False)).read()
+            lines = gzip.decompress(manifest).splitlines()[1:]
+            entries = {entry["p"]: entry for entry in map(json.loads, lines) if entry["k"] == "f"}
+            url = f"/v1/batch?bs={64 * KiB}&f={entries['d/f2.bin']['i']}.{entries['d/f2.bin']['v']}"
+            slots = app[batch.SLOTS_KEY]
+            for _ in range(batch.MAX_IN_MEMORY - 1):
+                await slots.acquire()  # all but one slot held by batches under way
+            for _ in range(2):  # a batch frees its slot when answered: the last one serves one after another
+                reply = await client.get(url)
+                assert reply.status == 200
+                assert await reply.read() == contents["d/f2.bin"]
+            await slots.acquire()  # the last slot too
+            refused = await asyncio.wait_for(client.get(url), 10)  # at once, not after a slot frees
+            assert refused.status == 503
+            assert refused.headers["Retry-After"] == "1"
+            assert "batches under way" in (await refused.json())["error"]
+            slots.release()
+            assert (await client.get(url)).status == 200
+
+    asyncio.run(scenario())
