@@ -17,7 +17,7 @@ from ..errors import CachefsError
 from ..metrics import Stats
 from .index import BlockIndex, IndexEntry
 from .keys import BlockData, BlockKey
-from .plan_admission import EvictionAdvisor, admit_by_plan
+from .plan_admission import EvictionAdvisor, PlanVictims, Victims
 from .policy import FrequencySketch
 from .store import BlockStore
 
@@ -163,19 +163,21 @@ class BlockCache:
     def _admit(self, blocks: list[tuple[BlockKey, BlockData, bool]]) -> list[tuple[BlockKey, BlockData]]:
         """The blocks that get a place, after evicting what they displace."""
         free = self._limit_bytes() - self.index.used_bytes()
+        victims: Victims = _OldestVictims(self)
         if self.advisor is not None and self.advisor.active():
-            return admit_by_plan(self, blocks, free, self.advisor)
-        victims = self._victims()
+            victims = PlanVictims(self, self.advisor)
         admitted = []
         for key, data, force in blocks:
             forced = force or key.file_id in self._pins
             while len(data) > free:
-                victim = next(victims, None)
+                victim = victims.best()
                 if victim is None:
                     break
                 victim_key, victim_length = victim
-                if not forced and self.sketch.estimate(victim_key) >= self.sketch.estimate(key):
-                    break  # the incumbent is at least as popular: keep it
+                if not forced and not victims.displaces(key, victim_key):
+                    victims.refused()
+                    break
+                victims.take()
                 self._evict(victim_key)
                 free += victim_length
             if len(data) <= free:
@@ -183,6 +185,7 @@ class BlockCache:
                 free -= len(data)
             else:
                 self._stats.rejected_blocks += 1
+        victims.done()
         return admitted
 
     def _victims(self) -> Iterator[tuple[BlockKey, int]]:
@@ -327,3 +330,34 @@ class BlockCache:
             self.sketch.save(self._sketch_path)
         except OSError as exc:
             log.warning("cannot save policy state to %s: %s", self._sketch_path, exc)
+
+
+class _OldestVictims:
+    """TinyLFU's candidates: the oldest unpinned blocks, one at a time.
+
+    A candidate that keeps its place (more popular than the block offered)
+    is passed over: the next block offered is weighed against the next
+    oldest, so one popular old block does not freeze the cache.
+    """
+
+    def __init__(self, cache: BlockCache) -> None:
+        self._sketch = cache.sketch
+        self._oldest = cache._victims()
+        self._current: tuple[BlockKey, int] | None = None
+
+    def best(self) -> tuple[BlockKey, int] | None:
+        if self._current is None:
+            self._current = next(self._oldest, None)
+        return self._current
+
+    def displaces(self, key: BlockKey, victim: BlockKey) -> bool:
+        return self._sketch.estimate(key) > self._sketch.estimate(victim)
+
+    def take(self) -> None:
+        self._current = None
+
+    def refused(self) -> None:
+        self._current = None
+
+    def done(self) -> None:
+        pass

@@ -16,6 +16,8 @@ cache is offered a block:
 
 Each decision costs a few LMDB reads and dict lookups, never a scan of the
 cache: at most `MAX_SAMPLE_BLOCKS` candidates per batch of admissions.
+`PlanVictims` is the candidate source BlockCache._admit uses while a plan
+is active (`Victims` is what it asks of one; TinyLFU's is in block_cache.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
-from .keys import BlockData, BlockKey
+from .keys import BlockKey
 
 if TYPE_CHECKING:
     from .block_cache import BlockCache
@@ -57,7 +59,31 @@ class EvictionAdvisor(Protocol):
         ...
 
 
-class _Victims:
+class Victims(Protocol):
+    """Candidates for eviction during one batch of admissions (BlockCache._admit)."""
+
+    def best(self) -> tuple[BlockKey, int] | None:
+        """(key, length) of the best victim, without taking it; None if there is none."""
+        ...
+
+    def displaces(self, key: BlockKey, victim: BlockKey) -> bool:
+        """Whether `key` deserves the victim's place."""
+        ...
+
+    def take(self) -> None:
+        """The best victim was evicted."""
+        ...
+
+    def refused(self) -> None:
+        """The best victim kept its place against the block offered."""
+        ...
+
+    def done(self) -> None:
+        """The batch of admissions is over."""
+        ...
+
+
+class PlanVictims:
     """Candidates for one batch of admissions, furthest next use first."""
 
     def __init__(self, cache: BlockCache, advisor: EvictionAdvisor) -> None:
@@ -69,23 +95,40 @@ class _Victims:
         self._heap: list[tuple[int, int, int, BlockKey, int, bool]] = []  # -distance, frequency, seq, key, length, hint
         self._known: set[BlockKey] = set()
         self._seq = itertools.count()
+        self._offered: tuple[BlockKey, int] | None = None  # the block being admitted and its distance
 
-    def best(self) -> tuple[BlockKey, int, int] | None:
-        """(key, length, distance) of the best victim, without taking it."""
+    def best(self) -> tuple[BlockKey, int] | None:
         if not self._heap or -self._heap[0][0] < INFINITE:
             self._pull_hints()
         while (not self._heap or -self._heap[0][0] < INFINITE) and self._sample_more():
             pass
         if not self._heap:
             return None
-        negative_distance, _frequency, _seq, key, length, _hint = self._heap[0]
-        return key, length, -negative_distance
+        _negative_distance, _frequency, _seq, key, length, _hint = self._heap[0]
+        return key, length
+
+    def displaces(self, key: BlockKey, victim: BlockKey) -> bool:
+        """Belady: needed sooner than the victim; if neither is planned again, TinyLFU."""
+        if self._offered is None or self._offered[0] != key:
+            self._offered = (key, self._advisor.distance(key))
+        distance, victim_distance = self._offered[1], -self._heap[0][0]
+        if distance < victim_distance:
+            return True
+        if distance == INFINITE:
+            return self._cache.sketch.estimate(key) > self._cache.sketch.estimate(victim)
+        return False
 
     def take(self) -> None:
         heapq.heappop(self._heap)
 
-    def leftover_hints(self) -> list[BlockKey]:
-        return [key for _d, _f, _s, key, _l, hint in self._heap if hint]
+    def refused(self) -> None:
+        pass  # still the best victim for the next block offered
+
+    def done(self) -> None:
+        """Hand back the hints taken but not used."""
+        leftover = [key for _d, _f, _s, key, _l, hint in self._heap if hint]
+        if leftover:
+            self._advisor.requeue_hints(leftover)
 
     def _push(self, key: BlockKey, length: int, distance: int, hint: bool) -> None:
         self._known.add(key)
@@ -117,41 +160,3 @@ class _Victims:
                 return True
         self._sampled = MAX_SAMPLE_BLOCKS  # the cache holds no more
         return added > 0
-
-
-def admit_by_plan(
-    cache: BlockCache, blocks: list[tuple[BlockKey, BlockData, bool]], free: int, advisor: EvictionAdvisor
-) -> list[tuple[BlockKey, BlockData]]:
-    """The blocks that get a place (evicting what they displace), by the plan's next uses."""
-    victims = _Victims(cache, advisor)
-    admitted = []
-    for key, data, force in blocks:
-        forced = force or cache.is_pinned(key.file_id)
-        distance = advisor.distance(key)
-        while len(data) > free:
-            victim = victims.best()
-            if victim is None:
-                break
-            victim_key, victim_length, victim_distance = victim
-            if not forced and not _displaces(cache, key, distance, victim_key, victim_distance):
-                break
-            victims.take()
-            cache._evict(victim_key)
-            free += victim_length
-        if len(data) <= free:
-            admitted.append((key, data))
-            free -= len(data)
-        else:
-            cache._stats.rejected_blocks += 1
-    leftover = victims.leftover_hints()
-    if leftover:
-        advisor.requeue_hints(leftover)
-    return admitted
-
-
-def _displaces(cache: BlockCache, key: BlockKey, distance: int, victim: BlockKey, victim_distance: int) -> bool:
-    if distance < victim_distance:
-        return True  # needed sooner than the victim: Belady
-    if distance == INFINITE:  # neither is planned again: frequency decides (TinyLFU)
-        return cache.sketch.estimate(key) > cache.sketch.estimate(victim)
-    return False

@@ -1,0 +1,79 @@
+"""Admission into a full cache without a plan (TinyLFU), on a real BlockCache: LMDB index and data files in a temp dir."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cachefs.cache import BlockCache, BlockKey
+from cachefs.db import open_database
+from cachefs.metrics import Stats
+
+BLOCK = 4096
+FILE_ID, VERSION = b"\x01" * 8, b"\x02" * 8
+
+
+def key(blockno: int) -> BlockKey:
+    return BlockKey(FILE_ID, VERSION, blockno)
+
+
+def data(blockno: int) -> bytes:
+    return bytes([blockno % 256]) * BLOCK
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Iterator[BlockCache]:
+    db = open_database(tmp_path / "index.lmdb")
+    try:
+        yield BlockCache(db, tmp_path, 4 * BLOCK, BLOCK, Stats())
+    finally:
+        db.close()
+
+
+def fill(cache: BlockCache, blocknos: list[int]) -> None:
+    """Insert blocks one at a time, so their age follows the list."""
+    for blockno in blocknos:
+        assert cache.insert_many([(key(blockno), data(blockno), False)]) == 1
+
+
+def cached(cache: BlockCache) -> set[int]:
+    return {blockno for blockno in range(32) if cache.contains(key(blockno))}
+
+
+def test_a_block_used_more_often_than_the_oldest_takes_its_place(cache: BlockCache) -> None:
+    fill(cache, [0, 1, 2, 3])
+    for _ in range(3):
+        cache.sketch.record(key(9))
+    assert cache.insert_many([(key(9), data(9), False)]) == 1
+    assert cached(cache) == {1, 2, 3, 9}  # the oldest went
+    entry = cache.entry(key(9))
+    assert entry is not None and cache.read(key(9), entry) == data(9)
+
+
+def test_a_block_used_no_more_often_than_the_oldest_is_not_admitted(cache: BlockCache) -> None:
+    fill(cache, [0, 1, 2, 3])
+    cache.sketch.record(key(0))
+    cache.sketch.record(key(9))
+    assert cache.insert_many([(key(9), data(9), False)]) == 0
+    assert cached(cache) == {0, 1, 2, 3}
+
+
+def test_a_popular_old_block_does_not_freeze_the_cache(cache: BlockCache) -> None:
+    """A block refused by the oldest one is not offered the same victim again: the next
+    block is weighed against the next oldest, so new blocks still get in."""
+    fill(cache, [0, 1, 2, 3])
+    for _ in range(5):
+        cache.sketch.record(key(0))  # the oldest is the most used
+    for blockno in (8, 9):
+        for _ in range(2):
+            cache.sketch.record(key(blockno))
+    assert cache.insert_many([(key(8), data(8), False), (key(9), data(9), False)]) == 1
+    assert cached(cache) == {0, 2, 3, 9}  # 8 lost to block 0; 9 displaced block 1
+
+
+def test_forced_and_pinned_blocks_always_get_a_place(cache: BlockCache) -> None:
+    fill(cache, [0, 1, 2, 3])
+    assert cache.insert_many([(key(9), data(9), True)]) == 1  # an operator's warm-up
+    assert cached(cache) == {1, 2, 3, 9}
