@@ -44,9 +44,12 @@ class BlockStore:
         self.data_dir = cache_dir / "data"
         self.block_size = block_size
         self.data_dir.mkdir(mode=0o700, exist_ok=True)
+        self._data_dir = str(self.data_dir)
 
-    def path(self, file_id: bytes, version: bytes) -> Path:
-        return self.data_dir / file_id.hex()[:2] / f"{file_id.hex()}-{version.hex()}"
+    def path(self, file_id: bytes, version: bytes) -> str:
+        """The data file of a file version (a str: pathlib's joins cost ~5 % of a warm read)."""
+        name = file_id.hex()
+        return f"{self._data_dir}/{name[:2]}/{name}-{version.hex()}"
 
     def read(self, key: BlockKey, start: int, length: int, *, nowait: bool = False) -> BlockData | None:
         """`length` bytes at `start` of the block, or None if its data file is missing or short.
@@ -77,7 +80,7 @@ class BlockStore:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
         except FileNotFoundError:
-            path.parent.mkdir(mode=0o700, exist_ok=True)
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             written = os.pwrite(fd, data, key.blockno * self.block_size)
@@ -109,7 +112,8 @@ class BlockStore:
             path.unlink(missing_ok=True)
 
     def delete_version(self, file_id: bytes, version: bytes) -> None:
-        self.path(file_id, version).unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path(file_id, version))
 
     def delete_all(self) -> None:
         shutil.rmtree(self.data_dir, ignore_errors=True)
