@@ -146,22 +146,14 @@ class Fetcher:
         """
         flights = self._prefetch_flights(keys, count_readahead=True)
         if self.batches:
+            attempt = functools.partial(self._verified_batch, keys, lengths)
             try:
-                pieces = await self._fetch_with_retries(keys[0], functools.partial(self._verified_batch, keys, lengths))
+                return await self._run(list(keys), flights, attempt, unsettled_on=(RemoteFileChanged, BatchUnsupported))
             except RemoteFileChanged:
                 pass  # one of them changed: asking one by one tells which
             except BatchUnsupported as exc:
                 log.warning("no batches of small files from this hub (%s): asking for them one by one", exc)
                 self.batches = False
-            except HubError as exc:
-                self._fail(list(keys), flights, exc)
-                return False
-            except BaseException:
-                self._fail(list(keys), flights, HubUnavailable(f"fetch of {keys[0]} was cancelled"))
-                raise
-            else:
-                await self._settle(list(keys), flights, pieces)
-                return True
         failed: list[BlockKey] = []
 
         async def one_file(key: BlockKey, flight: _Flight, length: int) -> None:
@@ -203,10 +195,17 @@ class Fetcher:
         attempt: Callable[[], Awaitable[list[bytearray]]],
         force_admission: bool = False,
         on_fetched: Callable[[BlockKey, BlockData], None] | None = None,
+        unsettled_on: tuple[type[HubError], ...] = (),
     ) -> bool:
-        """Fetch `keys` with `attempt` (retried) and settle their flights; False on failure."""
+        """Fetch `keys` with `attempt` (retried) and settle their flights; False on failure.
+
+        The errors of `unsettled_on` are raised with the flights left open, for
+        a caller that fetches the blocks another way.
+        """
         try:
             pieces = await self._fetch_with_retries(keys[0], attempt)
+        except unsettled_on:
+            raise
         except HubError as exc:
             self._fail(keys, flights, exc)
             return False
