@@ -98,6 +98,11 @@ class OpenFile:
     closed: bool = False
 
 
+def _stream_threshold(handle: OpenFile) -> int:
+    """Sequential reads that make the handle's run a stream (fewer for a run from the first byte)."""
+    return FROM_START_THRESHOLD if handle.stream_start == 0 else SEQUENTIAL_THRESHOLD
+
+
 @dataclasses.dataclass
 class _ReaderFiles:
     """How one reader (a FUSE request pid) goes through the files it reads from their first byte."""
@@ -159,12 +164,12 @@ class ReadAhead:
             handle.prefetched_until = 0
             handle.next_offset = end
             self._note_random_read(handle.inode)
-        from_start = handle.stream_start == 0
-        if handle.sequential_reads < (FROM_START_THRESHOLD if from_start else SEQUENTIAL_THRESHOLD):
+        if handle.sequential_reads < _stream_threshold(handle):
             return
         if self._max_window_blocks == 0:
             return
         if handle.window_blocks == 0:
+            from_start = handle.stream_start == 0
             if from_start:
                 self._note_stream_start(handle)
             initial = FROM_START_WINDOW_BLOCKS if from_start else INITIAL_WINDOW_BLOCKS
@@ -187,8 +192,7 @@ class ReadAhead:
 
     def _continues(self, handle: OpenFile, offset: int) -> bool:
         """Whether a read at `offset` continues the handle's sequential run (with slack once it is a stream)."""
-        threshold = FROM_START_THRESHOLD if handle.stream_start == 0 else SEQUENTIAL_THRESHOLD
-        slack = REORDER_BLOCKS * self.block_size if handle.sequential_reads >= threshold else 0
+        slack = REORDER_BLOCKS * self.block_size if handle.sequential_reads >= _stream_threshold(handle) else 0
         return handle.next_offset - slack <= offset <= handle.next_offset + slack
 
     def _read_ahead_next_file(self, handle: OpenFile, blocks: int) -> None:
