@@ -177,6 +177,7 @@ def _stats(args: argparse.Namespace) -> int:
         ("reads", f"{stats['reads']} ({format_size(stats['read_bytes'])})"),
         ("block hits", str(stats["block_hits"])),
         ("block misses", str(stats["block_misses"])),
+        ("reads from cache disk", f"{stats['disk_reads']} ({stats['disk_reads_inline']} small, without a thread)"),
         ("hit ratio", hit_ratio),
         ("fetched from hub", f"{format_size(stats['fetched_bytes'])} in {stats['fetches']} requests"),
         ("read-ahead fetches", str(stats["readahead_fetches"])),

@@ -53,6 +53,8 @@ class Stats:
     fetch_retries: int = 0
     fetch_failures: int = 0  # fetches given up (the read failed)
     corrupt_blocks: int = 0  # cached blocks that failed their checksum
+    disk_reads: int = 0  # reads of cached bytes not in the page cache (the cache's disk)
+    disk_reads_inline: int = 0  # of those, small reads done on the event loop's thread (reader.py)
     integrity_failures: int = 0  # hub responses that failed their checksum
     store_errors: int = 0
     evicted_blocks: int = 0
@@ -85,6 +87,8 @@ _COUNTERS = {  # Stats field -> (metric name without _total, help)
     "fetch_retries": ("cachefs_fetch_retries", "Hub requests retried"),
     "fetch_failures": ("cachefs_fetch_failures", "Fetches given up after retries"),
     "corrupt_blocks": ("cachefs_corrupt_blocks", "Cached blocks that failed their checksum"),
+    "disk_reads": ("cachefs_disk_reads", "Reads of cached bytes that were not in the page cache"),
+    "disk_reads_inline": ("cachefs_disk_reads_inline", "Small disk reads done without a worker thread"),
     "integrity_failures": ("cachefs_integrity_failures", "Hub responses that failed their checksum"),
     "store_errors": ("cachefs_store_errors", "Blocks that could not be written to the cache"),
     "evicted_blocks": ("cachefs_evicted_blocks", "Blocks evicted"),

@@ -1,9 +1,10 @@
 """Split a file read into blocks: memory, then a flight, then the local cache, else the hub.
 
 This is the data path below FUSE: `read` -> `_block` -> memory | flight |
-cache (page cache, else a disk read in a thread) | fetcher.fetch. Small
-random reads of a cached block read only the chunks they touch. Every read
-is shown to the read-ahead (readahead.py), which fetches what comes next.
+cache (page cache, else a disk read) | fetcher.fetch. Small random reads
+of a cached block read only the chunks they touch, on the event loop's
+thread while the disk is fast. Every read is shown to the read-ahead
+(readahead.py), which fetches what comes next.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -27,6 +29,12 @@ log = logging.getLogger(__name__)
 # Cached blocks read from disk at once (worker threads): enough to overlap
 # the kernel's parallel readahead requests on NVMe.
 DISK_READ_THREADS = 8
+# A small cached read that misses the page cache is done on the trio thread
+# while such reads take less than this on average: a hop to a worker thread
+# (trio.to_thread) costs ~0.2 ms of latency and of main-thread CPU here, more
+# than an NVMe read. A slower disk moves the reads to worker threads, so it
+# does not hold up every other request.
+INLINE_DISK_READ_S = 0.001
 
 _Read = TypeVar("_Read")
 
@@ -51,6 +59,26 @@ class MemoryBlocks:
             self._blocks.popitem(last=False)
 
 
+class SmallDiskReads:
+    """The recent time of a small disk read (exponentially weighted), and whether it is short."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self.recent_s = 0.0
+
+    @property
+    def fast(self) -> bool:
+        return self.recent_s < self.limit_s
+
+    def timed(self, read: Callable[[], _Read]) -> _Read:
+        """read(), folding its duration into the recent time (any thread)."""
+        started = time.perf_counter()
+        try:
+            return read()
+        finally:
+            self.recent_s += (time.perf_counter() - started - self.recent_s) / 8
+
+
 class Reader:
     """Serves byte ranges of snapshot files."""
 
@@ -63,6 +91,7 @@ class Reader:
         self.block_size = readahead.block_size
         self._memory = MemoryBlocks(memory_blocks)
         self._disk_readers = trio.CapacityLimiter(DISK_READ_THREADS)
+        self._small_reads = SmallDiskReads(INLINE_DISK_READ_S)
         self.readahead = readahead  # shown every read; fetches what comes next
         # Told of every block a reader asks for; may hand back its bytes (planner.py
         # follows a loader's plan with it and holds blocks prefetched along it).
@@ -119,7 +148,7 @@ class Reader:
         if planned is None and self._memory.get(key) is None and self._fetcher.flight(key) is None:
             entry = self._cache.entry(key)
             if entry is not None:
-                part = await self._from_disk(functools.partial(self._cache.read_part, key, entry, start, stop))
+                part = await self._from_disk(functools.partial(self._cache.read_part, key, entry, start, stop), small=True)
                 if part is not None:
                     self._stats.block_hits += 1
                     return part
@@ -172,14 +201,20 @@ class Reader:
             return None
         return await self._from_disk(functools.partial(self._cache.read, key, entry))
 
-    async def _from_disk(self, read: Callable[..., _Read]) -> _Read:
-        """`read(nowait=True)` on the trio thread when its bytes are in the page cache
-        (a thread hop costs more than the copy); otherwise `read()` in a worker
-        thread, where several disk reads at once keep the NVMe busy."""
+    async def _from_disk(self, read: Callable[..., _Read], *, small: bool = False) -> _Read:
+        """`read(nowait=True)` when its bytes are in the page cache; else `read()`
+        in a worker thread (several at once keep the NVMe busy), or, if it is
+        `small` and small disk reads have been fast, on the trio thread."""
         try:
             return read(nowait=True)
         except BlockingIOError:
+            self._stats.disk_reads += 1
+        if not small:
             return await trio.to_thread.run_sync(read, limiter=self._disk_readers)
+        if self._small_reads.fast:
+            self._stats.disk_reads_inline += 1
+            return self._small_reads.timed(read)
+        return await trio.to_thread.run_sync(self._small_reads.timed, read, limiter=self._disk_readers)
 
     def _note_stall(self, waited_s: float) -> None:
         self._stats.stall_seconds += waited_s

@@ -255,6 +255,44 @@ def test_small_reads_verify_the_chunks_they_read(hub, dataset: Path, tmp_path: P
         assert read_uncached(path) == source
 
 
+def evict_from_page_cache(paths: list[Path]) -> None:
+    """Write back and drop the page cache of files, so reading them needs the disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def test_cached_bytes_read_back_from_disk(hub, dataset: Path, tmp_path: Path) -> None:
+    """With the cache's data files out of the page cache, small reads read their
+    chunks on the event loop's thread, whole blocks in worker threads, and both
+    return the source's bytes without asking the hub again."""
+    cache_dir = tmp_path / "cache"
+    relative = "shards/shard-000.bin"  # 3 MiB: three 1 MiB blocks
+    source = (dataset / relative).read_bytes()
+    args = ("--fetch-timeout", "5", "--prefetch-siblings", "0")
+    with mounted_spoke(hub.url, tmp_path, args, cache_dir=cache_dir) as spoke:
+        assert (spoke.mountpoint / relative).read_bytes() == source
+        wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == len(source))
+    with mounted_spoke(hub.url, tmp_path, args, cache_dir=cache_dir) as spoke:  # nothing in its memory
+        path = spoke.mountpoint / relative
+        rng = random.Random(3)
+        for _ in range(40):
+            evict_from_page_cache(cache_data_files(cache_dir))
+            offset = rng.randrange(len(source) - 4096)
+            assert read_uncached(path, offset, 4096) == source[offset : offset + 4096], offset
+        small = spoke.stats()
+        assert small["disk_reads_inline"] >= 30
+        evict_from_page_cache(cache_data_files(cache_dir))
+        assert read_uncached(path) == source
+        whole = spoke.stats()
+        assert whole["disk_reads"] - whole["disk_reads_inline"] > small["disk_reads"] - small["disk_reads_inline"]
+        assert whole["fetches"] == 0
+
+
 def test_small_files_come_in_batches(dataset: Path, tmp_path: Path) -> None:
     """Reading a directory of small files costs a few batch requests, not one request per file,
     and each file's checksum comes with it (no checksum requests)."""
