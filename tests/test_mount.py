@@ -18,6 +18,8 @@ from hub_helpers import running_hub, sample, scrape_metrics
 from mount_helpers import SpokeMount, cache_data_files, cache_disk_bytes, is_mounted, mounted_spoke, wait_for_stats
 from test_hub_checksums import manifest_files
 
+from cachefs.cache.block_cache import CHUNK_BYTES
+
 
 def read_uncached(path: Path, offset: int = 0, length: int | None = None, timings: list[float] | None = None) -> bytes:
     """pread through the mount after dropping the kernel's page cache for the file,
@@ -227,18 +229,18 @@ def test_corrupt_cached_block_is_dropped_and_refetched(hub, dataset: Path, tmp_p
 
 
 def test_small_reads_verify_the_chunks_they_read(hub, dataset: Path, tmp_path: Path) -> None:
-    """A small random read of a cached block reads and checks only its 64 KiB chunk:
+    """A small random read of a cached block reads and checks only its chunk (CHUNK_BYTES):
     a flipped byte in another chunk goes unnoticed by it, the read of the flipped
     chunk drops the block and refetches it, and no wrong byte is ever returned."""
     cache_dir = tmp_path / "cache"
-    relative = "shards/shard-000.bin"  # 3 MiB: blocks of 1 MiB, 16 chunks each
+    relative = "shards/shard-000.bin"  # 3 MiB: blocks of 1 MiB, 64 chunks each
     source = (dataset / relative).read_bytes()
     args = ("--fetch-timeout", "5", "--prefetch-siblings", "0")
     with mounted_spoke(hub.url, tmp_path, args, cache_dir=cache_dir) as spoke:
         assert (spoke.mountpoint / relative).read_bytes() == source
         wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == len(source))
     [block_file] = cache_data_files(cache_dir)
-    flipped = 3 * 64 * 1024 + 100  # chunk 3 of block 0
+    flipped = 3 * CHUNK_BYTES + 100  # chunk 3 of block 0
     with open(block_file, "r+b") as data_file:
         data_file.seek(flipped)
         byte = data_file.read(1)
