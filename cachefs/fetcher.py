@@ -46,6 +46,10 @@ MAX_BACKOFF_S = 5.0
 WRITE_QUEUE_BLOCKS = 16
 WRITE_BATCH_BLOCKS = 16
 PREFETCHED_REMEMBERED = 4096
+# Bytes of read-ahead blocks kept in memory after their write until a reader
+# takes them, so the next read of a file fetched ahead (small files above
+# all) does not read back and re-verify what was just written.
+UNREAD_BYTES = 8 << 20
 
 
 class _Flight:
@@ -92,6 +96,8 @@ class Fetcher:
         # Blocks fetched by read-ahead and not read yet, to count how many are
         # used (bounded: the oldest are forgotten).
         self.prefetched: collections.OrderedDict[BlockKey, None] = collections.OrderedDict()
+        self._unread: collections.OrderedDict[BlockKey, BlockData] = collections.OrderedDict()
+        self._unread_bytes = 0
         self.prefetch_slots = trio.CapacityLimiter(max(1, prefetch_connections))
         self._write_send, self._write_receive = trio.open_memory_channel[tuple[BlockKey, BlockData, bool]](
             WRITE_QUEUE_BLOCKS
@@ -178,6 +184,20 @@ class Fetcher:
             self.prefetched.popitem(last=False)
         return flights
 
+    def take_unread(self, key: BlockKey) -> BlockData | None:
+        """The bytes of a block read-ahead fetched and no reader has read yet, if still held."""
+        data = self._unread.pop(key, None)
+        if data is not None:
+            self._unread_bytes -= len(data)
+        return data
+
+    def _hold_unread(self, key: BlockKey, data: BlockData) -> None:
+        self.take_unread(key)  # a block fetched again replaces its bytes
+        self._unread[key] = data
+        self._unread_bytes += len(data)
+        while self._unread_bytes > UNREAD_BYTES:
+            self._unread_bytes -= len(self._unread.popitem(last=False)[1])
+
     async def written(self, keys: set[BlockKey], timeout_s: float = 60.0) -> None:
         """Wait (bounded) until none of these blocks is still on its way to the cache."""
         with trio.move_on_after(timeout_s):
@@ -185,8 +205,10 @@ class Fetcher:
                 await self._batch_written.wait()
 
     def discard_pending(self, predicate: Callable[[BlockKey], bool]) -> None:
-        """Blocks in flight that match are not written to the cache (evict, purge)."""
+        """Blocks in flight that match are not written to the cache, nor held unread (evict, purge)."""
         self._discarded.update(key for key in self._flights if predicate(key))
+        for key in [key for key in self._unread if predicate(key)]:
+            self.take_unread(key)
 
     async def _run(
         self,
@@ -229,6 +251,8 @@ class Fetcher:
             flight.done.set()
             if on_fetched is not None:
                 on_fetched(key, data)
+            elif key in self.prefetched:
+                self._hold_unread(key, data)
             await self._write_send.send((key, data, force_admission))
 
     def _fail(self, keys: list[BlockKey], flights: list[_Flight], error: HubError) -> None:

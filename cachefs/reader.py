@@ -155,11 +155,15 @@ class Reader:
         return _view(await self._obtain(inode, key, planned), start, stop)
 
     def _note_used(self, key: BlockKey) -> BlockData | None:
-        """Tell the frequency sketch and the planner that a block is read; the planner may hand back its bytes."""
+        """Tell the frequency sketch and the planner that a block is read. Returns its
+        bytes if they are at hand: held by the planner, or fetched ahead and not yet read."""
         self._cache.sketch.record(key)
+        planned = self.on_block(key) if self.on_block is not None else None
         if self._fetcher.prefetched.pop(key, False) is None:
             self._stats.readahead_used += 1
-        return self.on_block(key) if self.on_block is not None else None
+            unread = self._fetcher.take_unread(key)
+            return planned if planned is not None else unread
+        return planned
 
     async def _obtain(self, inode: Inode, key: BlockKey, planned: BlockData | None) -> BlockData:
         """A whole block: from memory, the planner, a flight, the cache, else the hub."""

@@ -331,6 +331,20 @@ def test_opening_a_small_file_prefetches_the_files_after_it_across_directories(s
     assert spoke.stats()["block_misses"] == stats["block_misses"]
 
 
+def test_files_fetched_ahead_reach_their_first_reader_from_memory(spoke: SpokeMount, dataset: Path) -> None:
+    """Small files fetched ahead with a sibling are held in memory until read: with the
+    cache's data files out of the page cache, reading them reads nothing back from disk."""
+    files = sorted((dataset / "small" / "dir 2").iterdir())
+    assert (spoke.mountpoint / files[0].relative_to(dataset)).read_bytes() == files[0].read_bytes()
+    wait_for_stats(spoke, lambda stats: stats["cached_bytes"] >= sum(path.stat().st_size for path in files))
+    evict_from_page_cache(cache_data_files(spoke.cache_dir))
+    for path in files[1:]:
+        assert (spoke.mountpoint / path.relative_to(dataset)).read_bytes() == path.read_bytes()
+    stats = spoke.stats()
+    assert stats["disk_reads"] == 0
+    assert stats["block_misses"] <= 1
+
+
 def test_a_stream_from_the_first_byte_starts_read_ahead_with_the_second_read(hub, dataset: Path, tmp_path: Path) -> None:
     """Two reads in a row from offset 0 start read-ahead (with a 16-block window); two in a row elsewhere do not yet."""
 
