@@ -270,8 +270,9 @@ def evict_from_page_cache(paths: list[Path]) -> None:
 
 def test_cached_bytes_read_back_from_disk(hub, dataset: Path, tmp_path: Path) -> None:
     """With the cache's data files out of the page cache, small reads read their
-    chunks on the event loop's thread, whole blocks in worker threads, and both
-    return the source's bytes without asking the hub again."""
+    chunks on the event loop's thread (worker threads if the disk is slow),
+    whole blocks in worker threads, and all return the source's bytes without
+    asking the hub again."""
     cache_dir = tmp_path / "cache"
     relative = "shards/shard-000.bin"  # 3 MiB: three 1 MiB blocks
     source = (dataset / relative).read_bytes()
@@ -287,7 +288,8 @@ def test_cached_bytes_read_back_from_disk(hub, dataset: Path, tmp_path: Path) ->
             offset = rng.randrange(len(source) - 4096)
             assert read_uncached(path, offset, 4096) == source[offset : offset + 4096], offset
         small = spoke.stats()
-        assert small["disk_reads_inline"] >= 30
+        assert small["disk_reads"] >= 30
+        assert small["disk_reads_inline"] >= 1  # the first at least; a slow disk sends the rest to threads
         evict_from_page_cache(cache_data_files(cache_dir))
         assert read_uncached(path) == source
         whole = spoke.stats()
