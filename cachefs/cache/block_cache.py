@@ -55,8 +55,9 @@ def _sums_of_range(entry: IndexEntry, start: int, length: int) -> bytes:
 class BlockCache:
     """Blocks on local disk, indexed in LMDB, kept under `capacity_bytes`.
 
-    `entry` and `read` run on the trio thread when the block is in the page
-    cache, else `read` runs in a worker thread; `insert_many`
+    `entry`, `read` and `read_part` run on the trio thread when the bytes
+    are in the page cache; otherwise `read` runs in a worker thread, and
+    `read_part` too unless the disk is fast (reader.py). `insert_many`
     writes files and does an fsync'd commit, so it runs in a worker thread,
     the only place that evicts: readers never wait for eviction. Any failure
     of the cache is a miss, never a failed read; after a failed write (a full
