@@ -285,10 +285,14 @@ def test_cached_bytes_read_back_from_disk(hub, dataset: Path, tmp_path: Path) ->
         rng = random.Random(3)
         for _ in range(40):
             evict_from_page_cache(cache_data_files(cache_dir))
-            offset = rng.randrange(len(source) - 4096)
-            assert read_uncached(path, offset, 4096) == source[offset : offset + 4096], offset
+            offset = rng.randrange(len(source) // 4096 - 1) * 4096
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)  # exactly this 4 KiB read reaches the daemon
+            try:
+                assert os.pread(fd, 4096, offset) == source[offset : offset + 4096], offset
+            finally:
+                os.close(fd)
         small = spoke.stats()
-        assert small["disk_reads"] >= 30
+        assert small["disk_reads"] >= 10  # not all 40: the kernel's readahead may bring in a later read's chunk
         assert small["disk_reads_inline"] >= 1  # the first at least; a slow disk sends the rest to threads
         evict_from_page_cache(cache_data_files(cache_dir))
         assert read_uncached(path) == source
