@@ -193,6 +193,7 @@ class CachefsOperations(pyfuse3.Operations):
         self._next_handle += 1
         self._handles[handle_id] = OpenFile(entry, reader=ctx.pid)
         self._reader.readahead.prefetch_siblings(entry)
+        self._reader.readahead.page_in_index(entry)
         # The snapshot's bytes never change under this mount: keep the page cache.
         return pyfuse3.FileInfo(fh=handle_id, keep_cache=True)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterator
 
@@ -81,6 +82,11 @@ BATCH_MAX_BYTES = 8 * 1024 * 1024  # the hub's limit (docs/protocol.md)
 FILL_AFTER_RANDOM_READS = 4
 FILL_RUNS_IN_FLIGHT = 8
 RANDOM_READS_REMEMBERED = 4096
+# A large file's index entries are paged in (in a worker thread) when it is
+# opened, at most once in this many seconds: its random reads then find their
+# index pages in memory instead of each faulting one in on the event loop's
+# thread (after a reboot or a dropped page cache).
+INDEX_PAGE_IN_INTERVAL_S = 10.0
 
 
 @dataclasses.dataclass
@@ -146,6 +152,7 @@ class ReadAhead:
         self._filled: collections.OrderedDict[int, None] = collections.OrderedDict()  # fills that completed
         self._fill_slots = trio.Semaphore(FILL_RUNS_IN_FLIGHT)
         self._readers: collections.OrderedDict[int, _ReaderFiles] = collections.OrderedDict()
+        self._paged_in: collections.OrderedDict[int, float] = collections.OrderedDict()  # ino -> when
         # Whether a loader's plan covers a file: then the plan's prefetch, which
         # knows what comes next, replaces these guesses.
         self.planned: Callable[[Inode], bool] | None = None
@@ -277,6 +284,21 @@ class ReadAhead:
             await self._prefetch_run(handle, first, stop, keys)
         finally:
             self._fill_slots.release()
+
+    def page_in_index(self, inode: Inode) -> None:
+        """On open of a large file, bring its index entries into memory in a worker thread."""
+        if inode.size <= self.block_size:
+            return
+        now = trio.current_time()
+        last = self._paged_in.get(inode.ino)
+        if last is not None and now - last < INDEX_PAGE_IN_INTERVAL_S:
+            return
+        self._paged_in[inode.ino] = now
+        self._paged_in.move_to_end(inode.ino)
+        while len(self._paged_in) > RANDOM_READS_REMEMBERED:
+            self._paged_in.popitem(last=False)
+        page_in = functools.partial(self._cache.page_in_index, inode.file_id, inode.version)
+        self._nursery.start_soon(functools.partial(trio.to_thread.run_sync, page_in, abandon_on_cancel=True))
 
     # -- sibling prefetch -------------------------------------------------------------
 

@@ -102,6 +102,13 @@ class BlockCache:
         """The block's index entry, None if it is not cached."""
         return self.index.get(key)
 
+    def page_in_index(self, file_id: bytes, version: bytes) -> None:
+        """Bring a file version's index entries into memory (worker thread; best effort)."""
+        try:
+            self.index.page_in(file_id, version)
+        except lmdb.Error as exc:
+            log.debug("cannot page in the index entries of %s: %s", file_id.hex(), exc)
+
     def read(self, key: BlockKey, entry: IndexEntry, *, nowait: bool = False) -> BlockData | None:
         """The verified bytes of an indexed block; None if they are missing or corrupt (then dropped).
 

@@ -96,6 +96,20 @@ class BlockIndex:
                     found.append((BlockKey.unpack(packed), IndexEntry.unpack(value).length))
         return found
 
+    def page_in(self, file_id: bytes, version: bytes) -> int:
+        """Read through a file version's entries (their pages come into the page
+        cache); returns how many there are."""
+        prefix = file_id + version
+        count = 0
+        with self._db.env.begin(db=self._db.blocks) as txn:
+            cursor = txn.cursor()
+            if cursor.set_range(prefix):
+                for packed, _value in cursor:
+                    if not packed.startswith(prefix):
+                        break
+                    count += 1
+        return count
+
     def iter_keys(self) -> Iterator[BlockKey]:
         with self._db.env.begin(db=self._db.blocks) as txn:
             for packed in txn.cursor().iternext(keys=True, values=False):
