@@ -6,10 +6,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cache_helpers import block_cache
 
 from cachefs.cache import BlockCache, BlockKey
-from cachefs.db import open_database
-from cachefs.metrics import Stats
 
 BLOCK = 4096
 FILE_ID, VERSION = b"\x01" * 8, b"\x02" * 8
@@ -25,11 +24,8 @@ def data(blockno: int) -> bytes:
 
 @pytest.fixture
 def cache(tmp_path: Path) -> Iterator[BlockCache]:
-    db = open_database(tmp_path / "index.lmdb")
-    try:
-        yield BlockCache(db, tmp_path, 4 * BLOCK, BLOCK, Stats())
-    finally:
-        db.close()
+    with block_cache(tmp_path, 4 * BLOCK, BLOCK) as opened:
+        yield opened
 
 
 def fill(cache: BlockCache, blocknos: list[int]) -> None:

@@ -6,10 +6,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cache_helpers import block_cache
 
 from cachefs.cache import BlockCache, BlockKey
-from cachefs.db import open_database
-from cachefs.metrics import Stats
 
 BLOCK = 4096
 FILE_ID, NEXT_FILE_ID = b"\x01" * 8, b"\x01" * 7 + b"\x02"
@@ -18,11 +17,8 @@ VERSION, OTHER_VERSION = b"\x02" * 8, b"\x03" * 8
 
 @pytest.fixture
 def cache(tmp_path: Path) -> Iterator[BlockCache]:
-    db = open_database(tmp_path / "index.lmdb")
-    try:
-        yield BlockCache(db, tmp_path, 64 * BLOCK, BLOCK, Stats())
-    finally:
-        db.close()
+    with block_cache(tmp_path, 64 * BLOCK, BLOCK) as opened:
+        yield opened
 
 
 def test_page_in_reads_exactly_the_entries_of_one_file_version(cache: BlockCache) -> None:

@@ -86,29 +86,22 @@ class BlockIndex:
 
     def file_blocks(self, file_id: bytes) -> list[tuple[BlockKey, int]]:
         """Every cached block of a file (all versions), with its length."""
-        found = []
-        with self._db.env.begin(db=self._db.blocks) as txn:
-            cursor = txn.cursor()
-            if cursor.set_range(file_id):
-                for packed, value in cursor:
-                    if not packed.startswith(file_id):
-                        break
-                    found.append((BlockKey.unpack(packed), IndexEntry.unpack(value).length))
-        return found
+        return [(BlockKey.unpack(packed), IndexEntry.unpack(value).length) for packed, value in self._with_prefix(file_id)]
 
     def page_in(self, file_id: bytes, version: bytes) -> int:
         """Read through a file version's entries (their pages come into the page
         cache); returns how many there are."""
-        prefix = file_id + version
-        count = 0
+        return sum(1 for _entry in self._with_prefix(file_id + version))
+
+    def _with_prefix(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        """(packed key, value) of the entries whose key starts with `prefix`, in key order."""
         with self._db.env.begin(db=self._db.blocks) as txn:
             cursor = txn.cursor()
             if cursor.set_range(prefix):
-                for packed, _value in cursor:
+                for packed, value in cursor:
                     if not packed.startswith(prefix):
-                        break
-                    count += 1
-        return count
+                        return
+                    yield packed, value
 
     def iter_keys(self) -> Iterator[BlockKey]:
         with self._db.env.begin(db=self._db.blocks) as txn:
