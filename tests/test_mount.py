@@ -292,8 +292,12 @@ def test_cached_bytes_read_back_from_disk(hub, dataset: Path, tmp_path: Path) ->
             finally:
                 os.close(fd)
         small = spoke.stats()
-        assert small["disk_reads"] >= 10  # not all 40: the kernel's readahead may bring in a later read's chunk
-        assert small["disk_reads_inline"] >= 1  # the first at least; a slow disk sends the rest to threads
+        # The first read at least found its chunk on disk only (later ones may find chunks the
+        # data file's readahead brought in) and was read inline (a slow disk sends later ones to threads).
+        assert small["disk_reads"] >= 1
+        assert small["disk_reads_inline"] >= 1
+        evict_from_page_cache(cache_data_files(cache_dir))
+        time.sleep(0.5)  # readahead still under way when evicting stays cached: let it end, evict again
         evict_from_page_cache(cache_data_files(cache_dir))
         assert read_uncached(path) == source
         whole = spoke.stats()
