@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument(
         "--prefetch-siblings", type=int, default=128, metavar="N",
         help="opening a small file prefetches the next N files in tree order, across directories, "
-        "at most 16 MiB, up to 16 per request; 0 disables (default: 128)",
+        "at most 16 MiB, up to 64 files (4 blocks) per request; 0 disables (default: 128)",
     )
     mount.add_argument(
         "--fetch-timeout", type=float, default=30.0, metavar="SECONDS",

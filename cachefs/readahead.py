@@ -71,10 +71,13 @@ MAX_STRIDE_FILES = 64
 # bytes one walk asks for (the WAN a reader that opens one file can cost).
 SIBLINGS_REMEMBERED = 4096
 SIBLING_PREFETCH_BYTES = 16 * 1024 * 1024
-# Small files per batch request (hubserver/batch.py); a batch also holds at
-# most a read-ahead run's bytes (COALESCE_BLOCKS blocks), which keeps the
-# memory read-ahead can have in flight where it was.
-BATCH_FILES = 16
+# Small files per batch request: the hub's limit (hubserver/batch.py). A
+# batch also holds at most a read-ahead run's bytes (COALESCE_BLOCKS blocks),
+# which keeps the memory read-ahead can have in flight where it was; that
+# bound, not the count, sets the batch for files of ~100 KiB (40 files).
+# Against 16 files a batch: the hub's CPU for a cold read of 20,000 such
+# files -12 %, the emulator's -9 %, wall -2.5 %.
+BATCH_FILES = 64
 BATCH_MAX_BYTES = 8 * 1024 * 1024  # the hub's limit (docs/protocol.md)
 # Random reads of a large file before it is filled in the background, and
 # the read-ahead runs all fills together keep in flight (8 x 4 MiB: ~500 MB/s
