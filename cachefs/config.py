@@ -134,9 +134,10 @@ class MountConfig:
     # Largest read-ahead window per sequential reader, in blocks: 64 x 1 MiB
     # is the bandwidth-delay product of 1 GB/s at 60 ms RTT.
     readahead_blocks: int = 64
-    # Read-ahead may hold this many of the connections; the rest stay free
-    # for demand misses, which so never queue behind read-ahead.
-    # 24 runs of at most 4 MiB also bound read-ahead's buffers to 96 MiB.
+    # Read-ahead and a loader's plan may hold this many of the connections;
+    # the rest stay free for demand misses, which so never queue behind them.
+    # Read-ahead alone holds at most readahead.READAHEAD_RUNS_IN_FLIGHT (16
+    # runs of at most 4 MiB: 64 MiB of buffers).
     prefetch_connections: int = 24
     # Opening a small file prefetches this many files after it in its
     # directory: a directory-order walk then costs a round trip per batch,
