@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 Notify = Callable[[str], None]
 POLICY_SAVE_INTERVAL_S = 60.0
+FUSECTL_DIR = Path("/sys/fs/fuse/connections")
 
 
 class CacheDirLock:
@@ -193,7 +194,7 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
             if config.refresh_interval_s:
                 nursery.start_soon(snapshots.poll, config.refresh_interval_s, refresh)  # cancels plans too
             nursery.start_soon(_serve_fuse, nursery.cancel_scope)
-            await _raise_kernel_readahead(config, operations)
+            await _tune_kernel(config, operations)
             notify("ready")
             sd_notify("READY=1")
             log.info("cachefs %s: %s mounted on %s", __version__, config.hub_url, config.mountpoint)
@@ -292,30 +293,56 @@ def _ignore_missing(function: Callable[..., None], *args: Any) -> None:
             log.warning("cannot invalidate %s: %s", args, exc)
 
 
-async def _raise_kernel_readahead(config: MountConfig, operations: CachefsOperations) -> None:
-    """Larger kernel readahead makes FUSE send 1 MiB reads instead of 128 KiB (root only).
+async def _tune_kernel(config: MountConfig, operations: CachefsOperations) -> None:
+    """Raise the kernel's readahead and FUSE background limit for the mount (root only).
 
-    The kernel lowers the value when it processes the reply to FUSE_INIT, and
-    a file keeps the readahead it was opened with, so this runs after INIT
-    and before the mount is reported ready. Bounded: at most ~2 s.
+    The kernel resets both when it processes the reply to FUSE_INIT, and a
+    file keeps the readahead it was opened with, so this runs after INIT and
+    before the mount is reported ready. Bounded: at most ~2 s.
     """
     mount = find_mount(config.mountpoint)
     if mount is None:
         return
-    path = Path(f"/sys/class/bdi/{mount.device}/read_ahead_kb")
-    wanted = str(config.kernel_readahead_kb)
     for _attempt in range(200):
         await trio.sleep(0.01)
-        if not operations.initialized:
-            continue
-        try:  # sysfs: instant, never blocks on I/O
-            if path.read_text().strip() == wanted:  # noqa: ASYNC240
-                return
-            path.write_text(wanted)  # noqa: ASYNC240
+        if operations.initialized:
+            break
+    else:
+        log.warning("no FUSE_INIT in 2 s: kernel readahead for %s stays at its default", config.mountpoint)
+        return
+    # sysfs and fusectl: instant, never block on I/O
+    _set_kernel_value(Path(f"/sys/class/bdi/{mount.device}/read_ahead_kb"), config.kernel_readahead_kb, "kernel readahead")
+    connection = _fuse_connection_dir(mount.device)
+    if connection is not None:
+        _set_kernel_value(connection / "max_background", config.fuse_max_background, "FUSE background limit")
+        _set_kernel_value(connection / "congestion_threshold", config.fuse_max_background * 3 // 4, "FUSE congestion threshold")
+
+
+def _set_kernel_value(path: Path, wanted: int, what: str) -> None:
+    try:
+        if path.read_text().strip() != str(wanted):
+            path.write_text(str(wanted))
+    except OSError as exc:
+        log.info("cannot raise %s via %s: %s", what, path, exc)
+
+
+def _fuse_connection_dir(device: str) -> Path | None:
+    """The mount's directory in the FUSE control file system, mounting that (as systemd does at boot) if it is not."""
+    major, minor = (int(part) for part in device.split(":"))
+    connection = FUSECTL_DIR / str(major << 20 | minor)
+    if not connection.is_dir() and FUSECTL_DIR.is_dir() and not any(FUSECTL_DIR.iterdir()):
+        try:
+            _mount_fusectl()
         except OSError as exc:
-            log.info("cannot raise kernel readahead via %s: %s", path, exc)
-            return
-    log.warning("kernel readahead for %s stays at its default", config.mountpoint)
+            log.info("cannot mount the FUSE control file system on %s: %s", FUSECTL_DIR, exc)
+    return connection if connection.is_dir() else None
+
+
+def _mount_fusectl() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(b"fusectl", os.fsencode(FUSECTL_DIR), b"fusectl", 0, None) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
 
 
 def describe_error(exc: BaseException) -> str:

@@ -19,6 +19,8 @@ from mount_helpers import SpokeMount, cache_data_files, cache_disk_bytes, is_mou
 from test_hub_checksums import manifest_files
 
 from cachefs.cache.block_cache import CHUNK_BYTES
+from cachefs.config import MountConfig, parse_hub_url
+from cachefs.daemon import FUSECTL_DIR
 
 
 def read_uncached(path: Path, offset: int = 0, length: int | None = None, timings: list[float] | None = None) -> bytes:
@@ -71,6 +73,18 @@ def test_random_ranges_cross_block_boundaries_and_eof(spoke: SpokeMount, dataset
     size = shards[0].stat().st_size
     assert read_uncached(spoke.mountpoint / "shards" / shards[0].name, size, 100) == b""
     assert read_uncached(spoke.mountpoint / "shards" / shards[0].name, size + 10_000, 100) == b""
+
+
+def test_the_mount_raises_the_kernel_readahead_and_fuse_background_limit(spoke: SpokeMount) -> None:
+    """Big FUSE read requests and more of them in flight: read_ahead_kb and the
+    FUSE connection's max_background are raised before the mount is ready."""
+    config = MountConfig(hub_url=parse_hub_url("http://127.0.0.1:1"), mountpoint=spoke.mountpoint, cache_dir=spoke.cache_dir)
+    device = os.stat(spoke.mountpoint).st_dev
+    major, minor = os.major(device), os.minor(device)
+    assert Path(f"/sys/class/bdi/{major}:{minor}/read_ahead_kb").read_text().strip() == str(config.kernel_readahead_kb)
+    connection = FUSECTL_DIR / str(major << 20 | minor)
+    assert (connection / "max_background").read_text().strip() == str(config.fuse_max_background)
+    assert int((connection / "congestion_threshold").read_text()) == config.fuse_max_background * 3 // 4
 
 
 def test_eight_concurrent_readers(spoke: SpokeMount, dataset: Path) -> None:
