@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import trio
 
@@ -239,9 +240,7 @@ class ReadAhead:
         if previous is not None and previous.last.parent == handle.inode.parent:
             step = handle.inode.position - previous.last.position
         confirmed = previous is not None and step == previous.step and 1 <= step <= MAX_STRIDE_FILES
-        self._readers[handle.reader] = _ReaderFiles(handle.inode, step, step if confirmed else 1)
-        while len(self._readers) > READERS_REMEMBERED:
-            self._readers.popitem(last=False)
+        _remember(self._readers, handle.reader, _ReaderFiles(handle.inode, step, step if confirmed else 1), READERS_REMEMBERED)
 
     def _planned(self, inode: Inode) -> bool:
         """Whether a loader's plan covers the file (its prefetch then replaces these guesses)."""
@@ -257,9 +256,7 @@ class ReadAhead:
             return
         count = self._random_reads.pop(inode.ino, 0) + 1
         if count < FILL_AFTER_RANDOM_READS:
-            self._random_reads[inode.ino] = count
-            while len(self._random_reads) > RANDOM_READS_REMEMBERED:
-                self._random_reads.popitem(last=False)
+            _remember(self._random_reads, inode.ino, count, RANDOM_READS_REMEMBERED)
             return
         if self._cache.free_bytes() - self._fill_reserved < inode.size:
             return  # it would not fit beside the fills under way: it would only displace what is cached
@@ -279,9 +276,7 @@ class ReadAhead:
                         return
                     await self._fill_slots.acquire()
                     runs.start_soon(self._fill_run, handle, run_start)
-            self._filled[inode.ino] = None
-            while len(self._filled) > RANDOM_READS_REMEMBERED:
-                self._filled.popitem(last=False)
+            _remember(self._filled, inode.ino, None, RANDOM_READS_REMEMBERED)
         finally:
             self._filling.discard(inode.ino)
             self._fill_reserved -= inode.size
@@ -303,10 +298,7 @@ class ReadAhead:
         last = self._paged_in.get(inode.ino)
         if last is not None and now - last < INDEX_PAGE_IN_INTERVAL_S:
             return
-        self._paged_in[inode.ino] = now
-        self._paged_in.move_to_end(inode.ino)
-        while len(self._paged_in) > RANDOM_READS_REMEMBERED:
-            self._paged_in.popitem(last=False)
+        _remember(self._paged_in, inode.ino, now, RANDOM_READS_REMEMBERED)
         page_in = functools.partial(self._cache.page_in_index, inode.file_id, inode.version)
         self._nursery.start_soon(functools.partial(trio.to_thread.run_sync, page_in, abandon_on_cancel=True))
 
@@ -327,12 +319,10 @@ class ReadAhead:
         wanted: list[Inode] = []
         for index, sibling in enumerate(followers):
             # Files ahead of it in this walk, less half the walk: >= 0 while a walk would add little.
-            self._siblings_ahead[sibling.ino] = len(followers) - 1 - index - len(followers) // 2
-            self._siblings_ahead.move_to_end(sibling.ino)
+            ahead = len(followers) - 1 - index - len(followers) // 2
+            _remember(self._siblings_ahead, sibling.ino, ahead, SIBLINGS_REMEMBERED)
             if 0 < sibling.size <= self.block_size and not self._asked(self._head(sibling)):
                 wanted.append(sibling)
-        while len(self._siblings_ahead) > SIBLINGS_REMEMBERED:
-            self._siblings_ahead.popitem(last=False)
         batchable: list[Inode] = []
         for sibling in wanted:
             if self._fetcher.batches and sibling.size <= self._batch_bytes:
@@ -438,3 +428,15 @@ class ReadAhead:
             if keys:
                 yield run_first, keys, lengths
             blockno += 1  # past the cached (or in-flight) block that ended the run
+
+
+_Key = TypeVar("_Key")
+_Value = TypeVar("_Value")
+
+
+def _remember(memory: collections.OrderedDict[_Key, _Value], key: _Key, value: _Value, limit: int) -> None:
+    """Store `key` as the most recent entry of `memory`, forgetting the oldest beyond `limit`."""
+    memory[key] = value
+    memory.move_to_end(key)
+    while len(memory) > limit:
+        memory.popitem(last=False)
