@@ -308,7 +308,8 @@ async def _tune_kernel(config: MountConfig, operations: CachefsOperations) -> No
         if operations.initialized:
             break
     else:
-        log.warning("no FUSE_INIT in 2 s: kernel readahead for %s stays at its default", config.mountpoint)
+        log.warning("no FUSE_INIT in 2 s: kernel readahead and FUSE background limit for %s stay at their defaults",
+                    config.mountpoint)
         return
     # sysfs and fusectl: instant, never block on I/O
     _set_kernel_value(Path(f"/sys/class/bdi/{mount.device}/read_ahead_kb"), config.kernel_readahead_kb, "kernel readahead")
