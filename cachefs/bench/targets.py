@@ -7,6 +7,8 @@ from typing import Any
 
 LINK_MB_PER_S = 125.0  # 1 Gbit/s
 WALK_FILES_TARGET = 20_000
+SMALL_READ_SHARE = 0.5  # small files read at least half as fast as the same bytes as shards
+PEAK_RSS_LIMIT_BYTES = 200e6
 
 
 def _find(scenarios: Sequence[dict[str, Any]], system: str, link: str | None, state: str) -> dict[str, Any] | None:
@@ -75,8 +77,36 @@ def evaluate(scenarios: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                      "met": scaled_s < 2.0})
     else:
         rows.append({"target": "small files: cold walk of 20,000 files < 2 s", "measured": "not measured", "met": None})
+    rows.append(_small_read_target(capped_cold))
     rows.append(_loader_target(local, capped_warm))
+    rows.append(_rss_target(scenarios))
     return rows
+
+
+def _small_read_target(cold: dict[str, Any] | None) -> dict[str, Any]:
+    """Cold read of every small file against the faster cold sequential read of shards, same link and run."""
+    label = f"small files: cold read-all at 60 ms / 1 Gbit/s >= {SMALL_READ_SHARE:g}x the shards' MB/s"
+    small = _workload(cold, "small")
+    shards = [result["mb_per_s"] for name in ("seq1", "seq4") if (result := _workload(cold, name))]
+    if not small or not shards:
+        return {"target": label, "measured": "not measured", "met": None}
+    share = small["mb_per_s"] / max(shards)
+    cut = " (cut short by its time limit)" if not small.get("complete", True) else ""
+    return {"target": label,
+            "measured": f"{small['mb_per_s']:,.0f} MB/s = {share:.2f}x the shards' {max(shards):,.0f} MB/s{cut}",
+            "met": share >= SMALL_READ_SHARE}
+
+
+def _rss_target(scenarios: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The highest peak RSS of the daemon over every cachefs scenario of the run."""
+    label = f"daemon peak RSS < {PEAK_RSS_LIMIT_BYTES / 1e6:g} MB in every run"
+    peaks = [(scenario["resources"]["peak_rss_kib"] * 1024, scenario["name"]) for scenario in scenarios
+             if scenario["system"] == "cachefs" and (scenario.get("resources") or {}).get("peak_rss_kib")]
+    if not peaks:
+        return {"target": label, "measured": "not measured", "met": None}
+    peak_bytes, name = max(peaks)
+    return {"target": label, "measured": f"{peak_bytes / 1e6:,.0f} MB ({name}; {len(peaks)} runs)",
+            "met": peak_bytes < PEAK_RSS_LIMIT_BYTES}
 
 
 def _loader_target(local: dict[str, Any] | None, warm: dict[str, Any] | None) -> dict[str, Any]:
