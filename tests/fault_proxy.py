@@ -4,7 +4,10 @@ It forwards every request to the hub and, for file data, batch and
 checksum requests, injects a fault with probability `fault_rate`: a 503, a dropped
 connection before the answer, a body cut short, one flipped bit, or a
 stall. The manifest passes untouched (mounting stays possible). Runs its
-own asyncio loop in a thread; `counts` says what was injected.
+own asyncio loop in a thread; `counts` says what was injected. `delay_s`
+holds every data request that long before forwarding it (a slow link), and
+`most_data_in_flight` records the most data requests (file ranges and
+batches, not checksums) it held at once.
 
     with running_fault_proxy(hub.url, fault_rate=0.3) as proxy:
         mount(proxy.url, ...)
@@ -35,8 +38,11 @@ class FaultProxy:
     stall_s: float = 1.0
     seed: int = 0
     enabled: bool = True
+    delay_s: float = 0.0
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
     url: str = ""
+    data_in_flight: int = 0
+    most_data_in_flight: int = 0
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -54,6 +60,17 @@ class FaultProxy:
             return fault
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        if not _is_data(request.path):
+            return await self._forward(request)
+        self.data_in_flight += 1  # the proxy's event loop is its only thread
+        self.most_data_in_flight = max(self.most_data_in_flight, self.data_in_flight)
+        try:
+            await asyncio.sleep(self.delay_s)
+            return await self._forward(request)
+        finally:
+            self.data_in_flight -= 1
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
         session = request.app[SESSION_KEY]
         headers = {name: request.headers[name] for name in _FORWARDED if name in request.headers}
         fault = self._choose(request.path)
@@ -92,6 +109,11 @@ class FaultProxy:
         await response.write(body)
         await response.write_eof()
         return response
+
+
+def _is_data(path: str) -> bool:
+    """A request for file bytes: a ranged file read or a batch of small files."""
+    return path.startswith("/v1/batch") or (path.startswith("/v1/files/") and not path.endswith("/checksums"))
 
 
 @contextlib.contextmanager

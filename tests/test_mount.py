@@ -14,6 +14,7 @@ import lmdb
 import pytest
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE, source_files
+from fault_proxy import running_fault_proxy
 from hub_helpers import running_hub, sample, scrape_metrics
 from mount_helpers import SpokeMount, cache_data_files, cache_disk_bytes, is_mounted, mounted_spoke, wait_for_stats
 from test_hub_checksums import manifest_files
@@ -21,6 +22,7 @@ from test_hub_checksums import manifest_files
 from cachefs.cache.block_cache import CHUNK_BYTES
 from cachefs.config import MountConfig, parse_hub_url
 from cachefs.daemon import FUSECTL_DIR
+from cachefs.readahead import READAHEAD_RUNS_IN_FLIGHT
 
 
 def read_uncached(path: Path, offset: int = 0, length: int | None = None, timings: list[float] | None = None) -> bytes:
@@ -388,6 +390,38 @@ def test_a_stream_from_the_first_byte_starts_read_ahead_with_the_second_read(hub
         from_start = "shards/shard-000.bin"  # 49 blocks
         assert two_reads(spoke.mountpoint / from_start, 0) == (dataset / from_start).read_bytes()[: 2 * TEST_BLOCK_SIZE]
         wait_for_stats(spoke, lambda stats: stats["readahead_fetches"] >= 16)
+
+
+def test_read_ahead_of_many_readers_keeps_its_requests_in_flight_bounded(tmp_path: Path) -> None:
+    """Eight streams over a slow link want ~32 read-ahead requests at once; the hub sees at most
+    READAHEAD_RUNS_IN_FLIGHT of them plus the readers' own misses, and every byte is right."""
+    root = tmp_path / "data"
+    (root / "shards").mkdir(parents=True)
+    blocks = 48
+    sources = [random.Random(index).randbytes(blocks * TEST_BLOCK_SIZE) for index in range(8)]
+    for index, data in enumerate(sources):
+        (root / "shards" / f"part-{index}.bin").write_bytes(data)
+    read: dict[int, bytes] = {}
+
+    def stream(mountpoint: Path, index: int) -> None:
+        fd = os.open(mountpoint / "shards" / f"part-{index}.bin", os.O_RDONLY | os.O_DIRECT)
+        try:  # block by block: at most one demand miss of this reader at a time
+            read[index] = b"".join(os.pread(fd, TEST_BLOCK_SIZE, block * TEST_BLOCK_SIZE) for block in range(blocks))
+        finally:
+            os.close(fd)
+
+    with running_hub(root) as hub, running_fault_proxy(hub.url, fault_rate=0.0, delay_s=0.2) as proxy:
+        with mounted_spoke(proxy.url, tmp_path, SPOKE_ARGS) as spoke:
+            readers = [threading.Thread(target=stream, args=(spoke.mountpoint, index)) for index in range(8)]
+            for reader in readers:
+                reader.start()
+            for reader in readers:
+                reader.join(timeout=120)
+            assert not any(reader.is_alive() for reader in readers), "readers hang"
+            assert spoke.stats()["readahead_fetches"] > 0
+    assert read == dict(enumerate(sources))
+    # Each stream's window (16 blocks, then more) is 4+ requests of 4 blocks: 32+ wanted at once.
+    assert READAHEAD_RUNS_IN_FLIGHT <= proxy.most_data_in_flight <= READAHEAD_RUNS_IN_FLIGHT + len(readers)
 
 
 def test_read_ahead_follows_a_reader_that_takes_every_other_file(tmp_path: Path) -> None:
