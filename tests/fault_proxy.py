@@ -5,9 +5,11 @@ checksum requests, injects a fault with probability `fault_rate`: a 503, a dropp
 connection before the answer, a body cut short, one flipped bit, or a
 stall. The manifest passes untouched (mounting stays possible). Runs its
 own asyncio loop in a thread; `counts` says what was injected. `delay_s`
-holds every data request that long before forwarding it (a slow link), and
-`most_data_in_flight` records the most data requests (file ranges and
-batches, not checksums) it held at once.
+holds every data request (file ranges and batches, not checksums) that long
+before forwarding it, a slow link; with `delay_min_bytes` only file ranges
+at least that long (read-ahead's runs, not single-block misses).
+`data_in_flight` counts the data requests it holds or forwards now,
+`most_data_in_flight` the most at once.
 
     with running_fault_proxy(hub.url, fault_rate=0.3) as proxy:
         mount(proxy.url, ...)
@@ -39,6 +41,7 @@ class FaultProxy:
     seed: int = 0
     enabled: bool = True
     delay_s: float = 0.0
+    delay_min_bytes: int = 0
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
     url: str = ""
     data_in_flight: int = 0
@@ -47,6 +50,7 @@ class FaultProxy:
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
         self._lock = threading.Lock()
+        self._stopping = asyncio.Event()
 
     def _choose(self, path: str) -> str | None:
         if not self.enabled or not path.startswith(("/v1/files/", "/v1/batch")):
@@ -65,7 +69,9 @@ class FaultProxy:
         self.data_in_flight += 1  # the proxy's event loop is its only thread
         self.most_data_in_flight = max(self.most_data_in_flight, self.data_in_flight)
         try:
-            await asyncio.sleep(self.delay_s)
+            if _range_bytes(request) >= self.delay_min_bytes:
+                with contextlib.suppress(asyncio.TimeoutError):  # cut short when the proxy stops
+                    await asyncio.wait_for(self._stopping.wait(), self.delay_s)
             return await self._forward(request)
         finally:
             self.data_in_flight -= 1
@@ -116,6 +122,13 @@ def _is_data(path: str) -> bool:
     return path.startswith("/v1/batch") or (path.startswith("/v1/files/") and not path.endswith("/checksums"))
 
 
+def _range_bytes(request: web.Request) -> int:
+    """The length of the byte range a request asks for (0 without one)."""
+    value = request.headers.get("Range", "")
+    start, _, end = value.removeprefix("bytes=").partition("-")
+    return int(end) - int(start) + 1 if start.isdigit() and end.isdigit() else 0
+
+
 @contextlib.contextmanager
 def running_fault_proxy(hub_url: str, fault_rate: float, **options: object) -> Iterator[FaultProxy]:
     """A FaultProxy on 127.0.0.1 (ephemeral port) for the duration of the block."""
@@ -138,6 +151,7 @@ def running_fault_proxy(hub_url: str, fault_rate: float, **options: object) -> I
         started.set()
 
     async def stop() -> None:
+        proxy._stopping.set()
         runner = runner_box[0]
         await runner.app[SESSION_KEY].close()
         await runner.cleanup()
