@@ -8,8 +8,8 @@ own asyncio loop in a thread; `counts` says what was injected. `delay_s`
 holds every data request (file ranges and batches, not checksums) that long
 before forwarding it, a slow link; with `delay_min_bytes` only file ranges
 at least that long (read-ahead's runs, not single-block misses).
-`data_in_flight` counts the data requests it holds or forwards now,
-`most_data_in_flight` the most at once.
+`counts["delayed"]` says how many it held, `data_in_flight` how many data
+requests it holds or forwards now, `most_data_in_flight` the most at once.
 
     with running_fault_proxy(hub.url, fault_rate=0.3) as proxy:
         mount(proxy.url, ...)
@@ -70,6 +70,7 @@ class FaultProxy:
         self.most_data_in_flight = max(self.most_data_in_flight, self.data_in_flight)
         try:
             if _range_bytes(request) >= self.delay_min_bytes:
+                self.counts["delayed"] += 1
                 with contextlib.suppress(asyncio.TimeoutError):  # cut short when the proxy stops
                     await asyncio.wait_for(self._stopping.wait(), self.delay_s)
             return await self._forward(request)

@@ -402,15 +402,58 @@ def test_a_stream_from_the_first_byte_starts_read_ahead_with_the_second_read(hub
         wait_for_stats(spoke, lambda stats: stats["readahead_fetches"] >= 16)
 
 
+def _write_shards(root: Path, count: int, blocks: int) -> tuple[Path, list[bytes]]:
+    """`count` files of `blocks` test blocks of random bytes under root/shards; returns root and their bytes."""
+    (root / "shards").mkdir(parents=True)
+    sources = [random.Random(index).randbytes(blocks * TEST_BLOCK_SIZE) for index in range(count)]
+    for index, data in enumerate(sources):
+        (root / "shards" / f"part-{index}.bin").write_bytes(data)
+    return root, sources
+
+
+def _start_streams_and_close(mountpoint: Path, count: int) -> None:
+    """Read blocks 0 and 1 of each of `count` shards at once (read-ahead then asks for the
+    next 16 blocks of each) and close them."""
+
+    def start(path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:  # two single-block reads, each reaching the daemon
+            os.pread(fd, TEST_BLOCK_SIZE, 0)
+            os.pread(fd, TEST_BLOCK_SIZE, TEST_BLOCK_SIZE)
+        finally:
+            os.close(fd)
+
+    starters = [threading.Thread(target=start, args=(mountpoint / "shards" / f"part-{index}.bin",))
+                for index in range(count)]
+    for starter in starters:
+        starter.start()
+    for starter in starters:
+        starter.join(timeout=60)
+    assert not any(starter.is_alive() for starter in starters), "reads hang"
+
+
+def test_read_ahead_queued_for_a_closed_file_is_dropped(tmp_path: Path) -> None:
+    """Eight streams want 32 read-ahead runs; 16 go out (the link holds them 4 s), 16 wait for a
+    slot. The files are closed at once: the waiting runs are dropped, never sent."""
+    root, sources = _write_shards(tmp_path / "data", 8, 48)
+    with running_hub(root) as hub:
+        with running_fault_proxy(hub.url, fault_rate=0.0, delay_s=4.0, delay_min_bytes=2 * TEST_BLOCK_SIZE) as proxy:
+            with mounted_spoke(proxy.url, tmp_path, SPOKE_ARGS) as spoke:
+                _start_streams_and_close(spoke.mountpoint, len(sources))
+                wait_for_stats(spoke, lambda _stats: proxy.data_in_flight >= READAHEAD_RUNS_IN_FLIGHT)
+                wait_for_stats(spoke, lambda _stats: proxy.data_in_flight == 0)
+                time.sleep(0.5)  # a run that got a slot as the last ones finished would show by now
+                assert proxy.data_in_flight == 0
+                runs_sent = proxy.counts["delayed"]
+                assert spoke.stats()["readahead_fetches"] == 4 * runs_sent  # runs of 4 blocks
+    assert runs_sent == READAHEAD_RUNS_IN_FLIGHT
+
+
 def test_read_ahead_of_many_readers_keeps_its_requests_in_flight_bounded(tmp_path: Path) -> None:
     """Eight streams over a slow link want ~32 read-ahead requests at once; the hub sees at most
     READAHEAD_RUNS_IN_FLIGHT of them plus the readers' own misses, and every byte is right."""
-    root = tmp_path / "data"
-    (root / "shards").mkdir(parents=True)
     blocks = 48
-    sources = [random.Random(index).randbytes(blocks * TEST_BLOCK_SIZE) for index in range(8)]
-    for index, data in enumerate(sources):
-        (root / "shards" / f"part-{index}.bin").write_bytes(data)
+    root, sources = _write_shards(tmp_path / "data", 8, blocks)
     read: dict[int, bytes] = {}
 
     def stream(mountpoint: Path, index: int) -> None:
@@ -439,32 +482,14 @@ def test_unmount_with_read_ahead_in_flight_is_prompt_and_leaves_a_consistent_cac
     (multi-block ranges) for a minute. The unmount right after cancels them: it returns within
     seconds, not after the 30 s fetch timeout; the daemon exits without a traceback; a remount
     reads every byte identical."""
-    root = tmp_path / "data"
-    (root / "shards").mkdir(parents=True)
-    blocks = 48
-    sources = [random.Random(index).randbytes(blocks * TEST_BLOCK_SIZE) for index in range(8)]
-    for index, data in enumerate(sources):
-        (root / "shards" / f"part-{index}.bin").write_bytes(data)
+    root, sources = _write_shards(tmp_path / "data", 8, 48)
     cache_dir = tmp_path / "cache"
-
-    def start_stream(path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        try:  # two single-block misses from the start: read-ahead asks for the next 16 blocks
-            os.pread(fd, TEST_BLOCK_SIZE, 0)
-            os.pread(fd, TEST_BLOCK_SIZE, TEST_BLOCK_SIZE)
-        finally:
-            os.close(fd)
 
     with running_hub(root) as hub:
         with running_fault_proxy(hub.url, fault_rate=0.0, delay_s=60.0, delay_min_bytes=2 * TEST_BLOCK_SIZE) as proxy:
             spoke = mount_spoke(proxy.url, tmp_path / "mnt", cache_dir, [*SPOKE_ARGS, "--fetch-timeout", "30"])
             try:
-                starters = [threading.Thread(target=start_stream, args=(spoke.mountpoint / "shards" / f"part-{index}.bin",))
-                            for index in range(8)]
-                for starter in starters:
-                    starter.start()
-                for starter in starters:
-                    starter.join(timeout=60)
+                _start_streams_and_close(spoke.mountpoint, len(sources))
                 wait_for_stats(spoke, lambda _stats: proxy.data_in_flight >= READAHEAD_RUNS_IN_FLIGHT)
                 began = time.monotonic()
                 result = run_cachefs("unmount", spoke.mountpoint)
@@ -484,11 +509,7 @@ def test_unmount_with_read_ahead_in_flight_is_prompt_and_leaves_a_consistent_cac
 def test_read_ahead_follows_a_reader_that_takes_every_other_file(tmp_path: Path) -> None:
     """A reader that streams files 0, 2, 4 (a rank of a job sharing shards out round robin)
     gets the head of file 6 asked for near the end of file 4, not file 5."""
-    root = tmp_path / "data"
-    (root / "shards").mkdir(parents=True)
-    sources = [random.Random(index).randbytes(8 * TEST_BLOCK_SIZE) for index in range(8)]
-    for index, data in enumerate(sources):
-        (root / "shards" / f"part-{index}.bin").write_bytes(data)
+    root, sources = _write_shards(tmp_path / "data", 8, 8)
     with running_hub(root) as hub:
         ids = {entry["p"]: entry["i"] for entry in manifest_files(hub.url).values()}
         with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS) as spoke:
