@@ -433,8 +433,9 @@ def _start_streams_and_close(mountpoint: Path, count: int) -> None:
 
 
 def test_read_ahead_queued_for_a_closed_file_is_dropped(tmp_path: Path) -> None:
-    """Eight streams want 32 read-ahead runs; 16 go out (the link holds them 4 s), 16 wait for a
-    slot. The files are closed at once: the waiting runs are dropped, never sent."""
+    """Eight streams want 32 read-ahead runs; READAHEAD_RUNS_IN_FLIGHT go out (the link holds
+    them 4 s), the rest wait for a slot. The files are closed at once: the waiting runs are
+    dropped, never sent."""
     root, sources = _write_shards(tmp_path / "data", 8, 48)
     with running_hub(root) as hub:
         with running_fault_proxy(hub.url, fault_rate=0.0, delay_s=4.0, delay_min_bytes=2 * TEST_BLOCK_SIZE) as proxy:
