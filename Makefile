@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config nginx prometheus
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config curl patch nginx prometheus
 STAMP  := $(VENV)/.installed
 
 .PHONY: all setup system-packages demo test bench lint clean
@@ -20,9 +20,11 @@ system-packages:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
-$(STAMP): pyproject.toml | system-packages
+# pyfuse3 with FUSE passthrough (libfuse 3.17 built into the venv): see the script.
+$(STAMP): pyproject.toml scripts/install_passthrough_fuse.sh third_party/pyfuse3-3.5.0-passthrough.patch | system-packages
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	scripts/install_passthrough_fuse.sh $(VENV)
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
