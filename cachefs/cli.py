@@ -77,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-other", action="store_true",
         help="let other local users read the mount (file modes from the hub still apply); default: only you",
     )
+    mount.add_argument(
+        "--passthrough", action="store_true",
+        help="let the kernel read whole, verified cached files straight from the cache (FUSE passthrough: local disk "
+        "speed, but without a checksum check per read); default: the daemon serves and checks every read",
+    )
     mount.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground and log to stderr")
     mount.add_argument("--debug", action="store_true", help="verbose logging")
     mount.add_argument(
@@ -153,6 +158,7 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
         client_key=args.tls_key,
         fetch_timeout_s=args.fetch_timeout,
         allow_other=args.allow_other,
+        passthrough=args.passthrough,
         foreground=args.foreground,
         debug=args.debug,
     )

@@ -179,6 +179,8 @@ def _stats(args: argparse.Namespace) -> int:
         ("block misses", str(stats["block_misses"])),
         ("reads from cache disk", f"{stats['disk_reads']} ({stats['disk_reads_inline']} small, without a thread)"),
         ("hit ratio", hit_ratio),
+        ("passthrough opens", f"{stats['passthrough_opens']} (read by the kernel from the cache; "
+                              f"{stats['verified_files']} files verified for it)"),
         ("fetched from hub", f"{format_size(stats['fetched_bytes'])} in {stats['fetches']} requests"),
         ("read-ahead fetches", str(stats["readahead_fetches"])),
         ("fetch retries", str(stats["fetch_retries"])),

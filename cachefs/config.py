@@ -156,6 +156,12 @@ class MountConfig:
     # MB/s with 64 against 790-907 with 12, as much with 32; a cold read
     # holds ~16 MiB more of demand fetches with 32 (more with 64).
     fuse_max_background: int = 32
+    # Let the kernel read whole, verified cached files straight from the
+    # cache's data files (FUSE passthrough; Linux >= 6.9, root, the pyfuse3
+    # of scripts/install_passthrough_fuse.sh). Off by default: those reads are
+    # not checked against the block checksums, so a data file changed on disk
+    # after its verification would be served as it is (README).
+    passthrough: bool = False
     # Poll the hub for a new generation every this many seconds and move to
     # it; None: only on `cachefs refresh` (a job sees one snapshot).
     refresh_interval_s: float | None = None

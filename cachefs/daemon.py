@@ -35,6 +35,7 @@ from .hub_client import HubClient
 from .metrics import Stats, serve_metrics, training_gauges
 from .mountpoints import find_mount
 from .namespace import Namespace, NamespaceChanges
+from .passthrough import Passthrough
 from .planner import Planner
 from .readahead import ReadAhead
 from .reader import Reader
@@ -174,9 +175,12 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
                 return result
 
             admin.on_refresh(refresh)
+            passthrough = Passthrough(cache, stats, enabled=config.passthrough)
+            await nursery.start(passthrough.run_verifier)
             operations = CachefsOperations(
                 namespace,
                 reader,
+                passthrough,
                 stats,
                 uid=os.getuid(),
                 gid=os.getgid(),
@@ -195,6 +199,7 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
                 nursery.start_soon(snapshots.poll, config.refresh_interval_s, refresh)  # cancels plans too
             nursery.start_soon(_serve_fuse, nursery.cancel_scope)
             await _tune_kernel(config, operations)
+            _start_passthrough(operations, passthrough)
             notify("ready")
             sd_notify("READY=1")
             log.info("cachefs %s: %s mounted on %s", __version__, config.hub_url, config.mountpoint)
@@ -291,6 +296,14 @@ def _ignore_missing(function: Callable[..., None], *args: Any) -> None:
     except OSError as exc:  # ENOENT: the kernel did not know it, nothing to forget
         if exc.errno != errno.ENOENT:
             log.warning("cannot invalidate %s: %s", args, exc)
+
+
+def _start_passthrough(operations: CachefsOperations, passthrough: Passthrough) -> None:
+    """Check that the kernel takes backing files (after FUSE_INIT, which _tune_kernel awaits)."""
+    if not operations.initialized:
+        passthrough.enabled = False
+        return
+    passthrough.probe()
 
 
 async def _tune_kernel(config: MountConfig, operations: CachefsOperations) -> None:

@@ -8,6 +8,8 @@ Named databases:
   blocks    BlockKey -> length, insertion sequence, chunk checksums (cache/index.py)
   fifo      insertion sequence -> BlockKey, the eviction order (cache/index.py)
   pins      file id -> file size, files kept out of eviction (cache/block_cache.py)
+  verified  file id + version -> boot id: every block of that file version was
+            read back and matched its checksums during that boot (cache/index.py)
 
 Transactions are synchronous and short; none is held across an await.
 """
@@ -36,6 +38,7 @@ class Database:
     blocks: lmdb._Database
     fifo: lmdb._Database
     pins: lmdb._Database
+    verified: lmdb._Database
 
     def close(self) -> None:
         self.env.sync(True)
@@ -51,7 +54,7 @@ def open_database(path: Path) -> Database:
     env = lmdb.open(
         str(path),
         map_size=MAP_SIZE_BYTES,
-        max_dbs=8,
+        max_dbs=16,
         metasync=False,
         readahead=False,  # random index lookups: OS readahead only wastes page cache
         max_readers=512,
@@ -65,6 +68,7 @@ def open_database(path: Path) -> Database:
         blocks=env.open_db(b"blocks"),
         fifo=env.open_db(b"fifo"),
         pins=env.open_db(b"pins"),
+        verified=env.open_db(b"verified"),
     )
 
 

@@ -22,6 +22,7 @@ import pyfuse3
 from .errors import HubError, RemoteFileChanged
 from .metrics import READ_DURATION, Stats
 from .namespace import KIND_DIR, KIND_FILE, Inode, Namespace
+from .passthrough import Passthrough
 from .readahead import OpenFile
 from .reader import Reader
 
@@ -70,6 +71,7 @@ class CachefsOperations(pyfuse3.Operations):
         self,
         namespace: Namespace,
         reader: Reader,
+        passthrough: Passthrough,
         stats: Stats,
         *,
         uid: int,
@@ -80,6 +82,8 @@ class CachefsOperations(pyfuse3.Operations):
         super().__init__()
         self._namespace = namespace
         self._reader = reader
+        self._passthrough = passthrough
+        self.enable_passthrough = passthrough.enabled  # read by pyfuse3 at FUSE_INIT (patched build)
         self.stats = stats
         self._uid = uid
         self._gid = gid
@@ -193,6 +197,10 @@ class CachefsOperations(pyfuse3.Operations):
         self._next_handle += 1
         self._handles[handle_id] = OpenFile(entry, reader=ctx.pid)
         self._reader.readahead.prefetch_siblings(entry)
+        backing_id = self._passthrough.open(entry)
+        if backing_id:
+            # The kernel reads the cache's data file itself (its own page cache).
+            return pyfuse3.FileInfo(fh=handle_id, keep_cache=False, backing_id=backing_id)
         self._reader.readahead.page_in_index(entry)
         # The snapshot's bytes never change under this mount: keep the page cache.
         return pyfuse3.FileInfo(fh=handle_id, keep_cache=True)
@@ -219,6 +227,7 @@ class CachefsOperations(pyfuse3.Operations):
         handle = self._handles.pop(fh, None)
         if handle is not None:
             handle.closed = True  # read-ahead not yet started for it is dropped
+            self._passthrough.release(handle.inode)
 
     # No `flush`: pyfuse3 answers the first FLUSH with ENOSYS and the kernel then
     # stops sending one on every close() (nothing here is ever dirty). That is a

@@ -63,6 +63,8 @@ class Stats:
     plan_prefetch_used_blocks: int = 0  # of those, blocks read while the plan still expected them
     plan_prefetch_wasted_blocks: int = 0  # of those, blocks not read before the plan moved past them or ended
     plan_unplanned_blocks: int = 0  # block reads that matched no active plan while one was active
+    passthrough_opens: int = 0  # opens of whole verified cached files the kernel reads directly (passthrough.py)
+    verified_files: int = 0  # cached files read back whole and verified, so they can be opened that way
     hub_errors: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     fuse_errors: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
@@ -97,6 +99,8 @@ _COUNTERS = {  # Stats field -> (metric name without _total, help)
     "plan_prefetch_used_blocks": ("cachefs_plan_prefetch_used_blocks", "Plan-prefetched blocks read as planned"),
     "plan_prefetch_wasted_blocks": ("cachefs_plan_prefetch_wasted_blocks", "Plan-prefetched blocks never read"),
     "plan_unplanned_blocks": ("cachefs_plan_unplanned_blocks", "Block reads no active plan expected"),
+    "passthrough_opens": ("cachefs_passthrough_opens", "Opens of whole verified cached files read by the kernel directly"),
+    "verified_files": ("cachefs_verified_files", "Cached files verified whole, so the kernel may read them directly"),
 }
 
 

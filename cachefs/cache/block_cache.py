@@ -1,7 +1,10 @@
-"""BlockCache: verified reads, crash-safe inserts, admission and eviction, pins, purge."""
+"""BlockCache: verified reads, crash-safe inserts, admission and eviction, pins, purge,
+and whole-file verification for the kernel's direct reads (passthrough.py)."""
 
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 import os
 import struct
@@ -27,6 +30,7 @@ VICTIM_BATCH = 64
 RESERVE_BYTES = 1 << 30
 _SIZE = struct.Struct(">Q")
 SKETCH_FILE = "policy.sketch"
+BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 
 
 # Cached blocks are verified in chunks: a small random read reads and checks
@@ -50,6 +54,16 @@ def _sums_of_range(entry: IndexEntry, start: int, length: int) -> bytes:
     first = start // CHUNK_BYTES
     count = -(-length // CHUNK_BYTES)
     return entry.chunk_sums[first * 8 : (first + count) * 8]
+
+
+@functools.cache
+def boot_id() -> bytes:
+    """This boot of the machine: a power loss between a block's write and its
+    reaching the disk always starts a new one."""
+    try:
+        return BOOT_ID_PATH.read_bytes().strip()
+    except OSError:
+        return os.urandom(16)  # unknown: nothing verified before this process is trusted
 
 
 class BlockCache:
@@ -85,6 +99,11 @@ class BlockCache:
         self.sketch.load(self._sketch_path)
         self._pins = self._load_pins()
         self.advisor: EvictionAdvisor | None = None
+        # File versions the kernel reads directly (held) and those a block is
+        # being dropped from right now; a file is never both (see hold()).
+        self._held_lock = threading.Lock()
+        self._held: collections.Counter[tuple[bytes, bytes]] = collections.Counter()
+        self._dropping: collections.Counter[tuple[bytes, bytes]] = collections.Counter()
 
     def _drop_older_index(self) -> None:
         """A cache dir from an older cachefs: its block entries cannot be read, so its blocks go."""
@@ -188,8 +207,8 @@ class BlockCache:
                     victims.refused()
                     break
                 victims.take()
-                self._evict(victim_key)
-                free += victim_length
+                if self._evict(victim_key):
+                    free += victim_length
             if len(data) <= free:
                 admitted.append((key, data))
                 free -= len(data)
@@ -207,24 +226,82 @@ class BlockCache:
                 return
             for key in batch:
                 seen.add(key)
-                if key.file_id in self._pins:
+                if key.file_id in self._pins or (key.file_id, key.version) in self._held:
                     continue
                 entry = self.index.get(key)
                 if entry is not None:
                     yield key, entry.length
 
-    def _evict(self, key: BlockKey) -> None:
-        if self.index.remove(key):
-            self.store.delete(key)
+    def _evict(self, key: BlockKey) -> bool:
+        """Drop a block to make room; False if its file is held (the kernel reads it)."""
+        dropped = self._drop(key)
+        if dropped:
             self._stats.evicted_blocks += 1
+        return dropped
+
+    def _drop(self, key: BlockKey) -> bool:
+        """Remove a block's entry (and its file's verified mark), then punch out
+        its bytes; nothing if the file is held, whose data file must stay whole."""
+        file = (key.file_id, key.version)
+        with self._held_lock:
+            if file in self._held:
+                return False
+            self._dropping[file] += 1
+        try:
+            self.index.remove(key)
+            self.store.delete(key)
+        finally:
+            with self._held_lock:
+                self._dropping[file] -= 1
+                if not self._dropping[file]:
+                    del self._dropping[file]
+        return True
 
     def free_bytes(self) -> int:
         """Room left under the size limit (and the disk reserve, once the disk was found full)."""
         return max(0, self._limit_bytes() - self.index.used_bytes())
 
     def remove(self, key: BlockKey) -> None:
-        self.index.remove(key)
-        self.store.delete(key)
+        self._drop(key)
+
+    # -- whole files for the kernel (FUSE passthrough) ----------------------------
+
+    def verify_file(self, file_id: bytes, version: bytes, block_lengths: list[int]) -> bool:
+        """Read back every block of a file version and check it against its sums
+        (worker thread); if all are there and match, mark the file verified for
+        this boot. False when a block is missing, short or corrupt (then dropped)."""
+        blocks = []
+        for blockno, length in enumerate(block_lengths):
+            key = BlockKey(file_id, version, blockno)
+            entry = self.index.get(key)
+            if entry is None or entry.length != length:
+                return False
+            blocks.append((key, entry))
+        for key, entry in blocks:
+            if self._read_chunks(key, entry, 0, entry.length, False) is None:
+                return False
+        checked = [(key, entry.seq) for key, entry in blocks]
+        return bool(checked) and self.index.mark_verified(checked, boot_id())
+
+    def verified(self, file_id: bytes, version: bytes) -> bool:
+        """Whether every block of the file version is cached and was verified since boot."""
+        return self.index.verified_boot(file_id, version) == boot_id()
+
+    def hold(self, file_id: bytes, version: bytes) -> bool:
+        """Keep a file version's blocks on disk while the kernel reads its data file;
+        False if a block of it is being dropped right now. Check `verified` after
+        holding: a block dropped before the hold has cleared the mark by then."""
+        with self._held_lock:
+            if (file_id, version) in self._dropping:
+                return False
+            self._held[(file_id, version)] += 1
+        return True
+
+    def unhold(self, file_id: bytes, version: bytes) -> None:
+        with self._held_lock:
+            self._held[(file_id, version)] -= 1
+            if self._held[(file_id, version)] <= 0:
+                del self._held[(file_id, version)]
 
     def _limit_bytes(self) -> int:
         """The capacity, or after the disk filled up once, what fits while keeping a reserve free.

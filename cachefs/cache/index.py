@@ -1,4 +1,5 @@
-"""The block index in LMDB: which blocks are cached, their length, checksums and age."""
+"""The block index in LMDB: which blocks are cached, their length, checksums and age,
+and which file versions were verified whole since the machine booted."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ _SEQ = struct.Struct(">Q")
 _USED = b"used_bytes"
 _COUNT = b"block_count"
 _NEXT_SEQ = b"next_seq"
+_FILE_VERSION_BYTES = 16  # a packed BlockKey starts with file id + version
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,6 +58,7 @@ class BlockIndex:
                 old = txn.get(packed, db=self._db.blocks)
                 if old is not None:
                     self._forget(txn, packed, IndexEntry.unpack(old))
+                txn.delete(packed[:_FILE_VERSION_BYTES], db=self._db.verified)
                 seq = _counter(txn, self._db, _NEXT_SEQ)
                 txn.put(_NEXT_SEQ, _SEQ.pack(seq + 1), db=self._db.meta)
                 txn.put(packed, IndexEntry(length, seq, chunk_sums).pack(), db=self._db.blocks)
@@ -73,6 +76,24 @@ class BlockIndex:
             entry = IndexEntry.unpack(old)
             self._forget(txn, packed, entry)
         return entry.length
+
+    def mark_verified(self, checked: list[tuple[BlockKey, int]], boot_id: bytes) -> bool:
+        """Record that a file version's blocks (key, entry seq), all of them, were
+        verified during boot `boot_id`; False (nothing recorded) if any entry
+        changed since it was read. Any later change of an entry drops the record."""
+        with self._db.env.begin(write=True) as txn:
+            for key, seq in checked:
+                value = txn.get(key.packed(), db=self._db.blocks)
+                if value is None or IndexEntry.unpack(value).seq != seq:
+                    return False
+            key = checked[0][0]
+            txn.put(key.file_id + key.version, boot_id, db=self._db.verified)
+        return True
+
+    def verified_boot(self, file_id: bytes, version: bytes) -> bytes | None:
+        """The boot during which the file version was last verified whole, if it was."""
+        with self._db.env.begin(db=self._db.verified) as txn:
+            return txn.get(file_id + version)
 
     def oldest(self, limit: int) -> list[BlockKey]:
         """Up to `limit` keys in insertion order, oldest first."""
@@ -114,6 +135,7 @@ class BlockIndex:
             count = _counter(txn, self._db, _COUNT)
             txn.drop(self._db.blocks, delete=False)
             txn.drop(self._db.fifo, delete=False)
+            txn.drop(self._db.verified, delete=False)
             txn.put(_USED, _SEQ.pack(0), db=self._db.meta)
             txn.put(_COUNT, _SEQ.pack(0), db=self._db.meta)
         return count
@@ -128,6 +150,7 @@ class BlockIndex:
 
     def _forget(self, txn: object, packed: bytes, entry: IndexEntry) -> None:
         txn.delete(packed, db=self._db.blocks)  # type: ignore[attr-defined]
+        txn.delete(packed[:_FILE_VERSION_BYTES], db=self._db.verified)  # type: ignore[attr-defined]
         txn.delete(_SEQ.pack(entry.seq), db=self._db.fifo)  # type: ignore[attr-defined]
         _bump(txn, self._db, _USED, -entry.length)
         _bump(txn, self._db, _COUNT, -1)

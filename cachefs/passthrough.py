@@ -1,0 +1,232 @@
+"""FUSE passthrough: the kernel reads a whole, verified cached file straight from its data file.
+
+An open file in passthrough mode has its read() and mmap served by the
+kernel from a "backing file", here the cache's data file of that file
+version (cache/store.py: block N at offset N x block size), at local disk
+speed and without a request to the daemon. It needs Linux >= 6.9 built with
+FUSE passthrough, root (CAP_SYS_ADMIN) and a pyfuse3 built with
+scripts/install_passthrough_fuse.sh; lacking any of them, every open is
+served by the daemon as before.
+
+Such reads skip the daemon's per-read checksum checks, so a file version is
+handed to the kernel only when its cache holds every block and all were read
+back and verified since the machine booted (BlockCache.verify_file; this
+module verifies files in the background after they are read whole), and
+its blocks are held out of eviction while it is open that way.
+
+Kernel rules kept here: every open of an inode already open in passthrough
+mode must name the same backing file (one backing id per inode, closed at
+its last release); an inode open the ordinary way (through the page cache)
+cannot be opened in passthrough mode until those opens are released.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import logging
+import os
+import struct
+import tempfile
+
+import pyfuse3
+import trio
+
+from .cache import BlockCache, BlockKey
+from .metrics import Stats
+from .namespace import Inode
+
+log = logging.getLogger(__name__)
+
+# ioctls on /dev/fuse (linux/fuse.h): _IOW(229, 1, struct fuse_backing_map {
+# int32 fd; uint32 flags; uint64 padding }) and _IOW(229, 2, uint32 backing id).
+FUSE_DEV_IOC_BACKING_OPEN = 0x4010E501
+FUSE_DEV_IOC_BACKING_CLOSE = 0x4004E502
+_BACKING_MAP = struct.Struct("=iIQ")
+_BACKING_ID = struct.Struct("=I")
+# Files waiting for background verification, and what goes to the worker
+# thread in one hop: up to 64 files (small files: a hop each would cost the
+# event loop more than the verification) or 64 MiB, which bounds how long an
+# unmount waits for the batch under way.
+MAX_PENDING_FILES = 4096
+VERIFY_BATCH_FILES = 64
+VERIFY_BATCH_BYTES = 64 << 20
+# A file is verified this long after its release: its last blocks may still
+# be on their way to the cache's writer.
+VERIFY_DELAY_S = 1.0
+
+
+def supported_by_pyfuse3() -> bool:
+    """Whether this pyfuse3 can hand a backing file to the kernel (the patched build)."""
+    return hasattr(pyfuse3, "get_session_fd")
+
+
+@dataclasses.dataclass(slots=True)
+class _InodeOpens:
+    """The open handles of one inode, all in one mode."""
+
+    inode: Inode
+    count: int
+    backing_id: int  # 0: served by the daemon
+
+
+class Passthrough:
+    """Decides per open whether the kernel reads the file directly, and verifies files for it."""
+
+    def __init__(self, cache: BlockCache, stats: Stats, *, enabled: bool) -> None:
+        self._cache = cache
+        self._stats = stats
+        self.enabled = enabled and supported_by_pyfuse3()
+        self._opens: dict[int, _InodeOpens] = {}
+        self._pending: dict[tuple[bytes, bytes], tuple[Inode, float]] = {}  # -> (inode, due), due in order
+        self._pending_added = trio.Event()
+
+    def probe(self) -> None:
+        """After FUSE_INIT: find out whether the kernel takes backing files from this
+        daemon (needs the kernel's support, negotiated at init, and root)."""
+        if not self.enabled:
+            return
+        try:
+            with tempfile.TemporaryFile(dir=self._cache.store.data_dir) as probe:
+                request = bytearray(_BACKING_MAP.pack(probe.fileno(), 0, 0))
+                backing_id = fcntl.ioctl(pyfuse3.get_session_fd(), FUSE_DEV_IOC_BACKING_OPEN, request)
+            self._close_backing(backing_id)
+        except OSError as exc:
+            self._give_up(exc)
+            return
+        log.info("FUSE passthrough: the kernel reads whole verified cached files directly")
+
+    # -- opens and releases (trio thread) ---------------------------------------------
+
+    def open(self, inode: Inode) -> int:
+        """The backing id for a new open of `inode`, or 0 to serve it through the daemon."""
+        opens = self._opens.get(inode.ino)
+        if opens is not None:
+            opens.count += 1
+        else:
+            opens = self._opens[inode.ino] = _InodeOpens(inode, 1, self._backing_id(inode))
+        if opens.backing_id:
+            self._stats.passthrough_opens += 1
+        return opens.backing_id
+
+    def release(self, inode: Inode) -> None:
+        """One open of `inode` was released; the last one closes its backing file."""
+        opens = self._opens.get(inode.ino)
+        if opens is None:
+            return
+        opens.count -= 1
+        if opens.count > 0:
+            return
+        del self._opens[inode.ino]
+        if opens.backing_id:
+            self._close_backing(opens.backing_id)
+            self._cache.unhold(inode.file_id, inode.version)
+        elif self.enabled and inode.size > 0:
+            self._queue_verification(inode)
+
+    def _backing_id(self, inode: Inode) -> int:
+        """Register the inode's data file with the kernel if it may be read directly; else 0."""
+        if not self.enabled or inode.size == 0 or self._plan_active():
+            return 0
+        if not self._cache.hold(inode.file_id, inode.version):
+            return 0
+        backing_id = 0
+        try:
+            if self._cache.verified(inode.file_id, inode.version):
+                backing_id = self._open_backing(inode)
+        finally:
+            if not backing_id:
+                self._cache.unhold(inode.file_id, inode.version)
+        if backing_id:
+            self._note_blocks_used(inode)
+        return backing_id
+
+    def _plan_active(self) -> bool:
+        """A loader's plan follows its reads block by block: keep them in the daemon then."""
+        advisor = self._cache.advisor
+        return advisor is not None and advisor.active()
+
+    def _open_backing(self, inode: Inode) -> int:
+        try:
+            fd = os.open(self._cache.store.path(inode.file_id, inode.version), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            log.warning("cannot open the data file of inode %d: %s", inode.ino, exc)
+            return 0
+        try:
+            if os.fstat(fd).st_size != inode.size:
+                log.warning("the data file of inode %d is not %d bytes long; serving it through the daemon",
+                            inode.ino, inode.size)
+                return 0
+            request = bytearray(_BACKING_MAP.pack(fd, 0, 0))
+            return fcntl.ioctl(pyfuse3.get_session_fd(), FUSE_DEV_IOC_BACKING_OPEN, request)
+        except OSError as exc:
+            self._give_up(exc)
+            return 0
+        finally:
+            os.close(fd)
+
+    def _give_up(self, exc: OSError) -> None:
+        """The kernel refused a backing file: no passthrough for this mount."""
+        self.enabled = False
+        self._pending.clear()
+        reason = "not root" if exc.errno == errno.EPERM else exc.strerror
+        log.info("FUSE passthrough is not available (%s); the daemon serves every read", reason)
+
+    def _close_backing(self, backing_id: int) -> None:
+        try:
+            fcntl.ioctl(pyfuse3.get_session_fd(), FUSE_DEV_IOC_BACKING_CLOSE, bytearray(_BACKING_ID.pack(backing_id)))
+        except OSError as exc:
+            log.warning("cannot close backing file %d: %s", backing_id, exc)
+
+    def _note_blocks_used(self, inode: Inode) -> None:
+        """The kernel's reads never reach the daemon: count the open as a use of
+        each block, so the eviction policy still sees the file as popular."""
+        for blockno in range(inode.block_count(self._cache.store.block_size)):
+            self._cache.sketch.record(BlockKey(inode.file_id, inode.version, blockno))
+
+    # -- background verification ------------------------------------------------------
+
+    def _queue_verification(self, inode: Inode) -> None:
+        key = (inode.file_id, inode.version)
+        if key in self._pending or len(self._pending) >= MAX_PENDING_FILES:
+            return
+        if self._cache.verified(inode.file_id, inode.version):
+            return
+        self._pending[key] = (inode, trio.current_time() + VERIFY_DELAY_S)
+        self._pending_added.set()
+
+    async def run_verifier(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Verify released files in a worker thread, a batch at a time, until cancelled."""
+        task_status.started()
+        while True:
+            await self._pending_added.wait()
+            self._pending_added = trio.Event()
+            while self._pending:
+                _inode, due = next(iter(self._pending.values()))
+                await trio.sleep_until(due)
+                batch = self._next_batch()
+                self._stats.verified_files += await trio.to_thread.run_sync(self._verify, batch)
+
+    def _next_batch(self) -> list[Inode]:
+        """Due files, oldest first, up to a batch's count and bytes."""
+        batch: list[Inode] = []
+        size = 0
+        now = trio.current_time()
+        for key, (inode, due) in list(self._pending.items()):
+            if due > now or (batch and (len(batch) >= VERIFY_BATCH_FILES or size >= VERIFY_BATCH_BYTES)):
+                break
+            del self._pending[key]
+            batch.append(inode)
+            size += inode.size
+        return batch
+
+    def _verify(self, inodes: list[Inode]) -> int:
+        """Worker thread: check each file whole (an incomplete one is skipped after
+        its index entries); returns how many were marked verified."""
+        block_size = self._cache.store.block_size
+        verified = 0
+        for inode in inodes:
+            lengths = [inode.block_length(blockno, block_size) for blockno in range(inode.block_count(block_size))]
+            verified += self._cache.verify_file(inode.file_id, inode.version, lengths)
+        return verified

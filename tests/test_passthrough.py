@@ -1,0 +1,174 @@
+"""FUSE passthrough (--passthrough): whole, verified cached files are read by the kernel
+from the cache's data files; anything else, and every read without it, through the daemon."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cache_helpers import block_cache
+from conftest import SPOKE_ARGS
+from dataset import TEST_BLOCK_SIZE
+from hub_helpers import HubProcess
+from mount_helpers import SpokeMount, cache_data_files, mounted_spoke, wait_for_stats
+from test_mount import evict_from_page_cache, read_uncached
+
+from cachefs.cache import BlockCache, BlockKey
+from cachefs.cache import block_cache as block_cache_module
+
+SHARD = "shards/shard-000.bin"  # 3 MiB + 17: 49 test blocks, the last one short
+ARGS = (*SPOKE_ARGS, "--prefetch-siblings", "0", "--passthrough")  # only the files a test reads get cached
+
+
+def _read_through_kernel(spoke: SpokeMount, relative: str) -> tuple[bytes, dict[str, int]]:
+    """Read a file whole with the cache's data files out of the page cache; returns
+    its bytes and how the daemon's read and passthrough counters moved."""
+    before = spoke.stats()
+    evict_from_page_cache(cache_data_files(spoke.cache_dir))
+    data = read_uncached(spoke.mountpoint / relative)
+    after = spoke.stats()
+    return data, {name: after[name] - before[name] for name in ("reads", "passthrough_opens")}
+
+
+def test_a_file_read_whole_is_then_read_by_the_kernel_from_the_cache(hub: HubProcess, dataset: Path, tmp_path: Path) -> None:
+    source = (dataset / SHARD).read_bytes()
+    cache_dir = tmp_path / "cache"
+    with mounted_spoke(hub.url, tmp_path, ARGS, cache_dir=cache_dir) as spoke:
+        assert read_uncached(spoke.mountpoint / SHARD) == source
+        wait_for_stats(spoke, lambda stats: stats["verified_files"] >= 1)
+        data, moved = _read_through_kernel(spoke, SHARD)
+        assert data == source
+        assert moved == {"reads": 0, "passthrough_opens": 1}  # no read reached the daemon
+        # Ranges across block boundaries and the end of the file, from the data file on disk.
+        reads_before = spoke.stats()["reads"]
+        for offset, length in [(0, 1), (TEST_BLOCK_SIZE - 3, 10), (5 * TEST_BLOCK_SIZE + 7, 3 * TEST_BLOCK_SIZE),
+                               (len(source) - 20, 100), (len(source), 10)]:
+            evict_from_page_cache(cache_data_files(cache_dir))
+            assert read_uncached(spoke.mountpoint / SHARD, offset, length) == source[offset : offset + length]
+        assert spoke.stats()["reads"] == reads_before
+    # A new daemon in the same boot trusts the verification: the first open is direct.
+    with mounted_spoke(hub.url, tmp_path, ARGS, cache_dir=cache_dir) as spoke:
+        data, moved = _read_through_kernel(spoke, SHARD)
+        assert data == source
+        assert moved == {"reads": 0, "passthrough_opens": 1}
+        assert spoke.stats()["fetched_bytes"] == 0
+
+
+def test_without_passthrough_the_daemon_serves_every_read(hub: HubProcess, dataset: Path, tmp_path: Path) -> None:
+    source = (dataset / SHARD).read_bytes()
+    with mounted_spoke(hub.url, tmp_path, (*SPOKE_ARGS, "--prefetch-siblings", "0")) as spoke:
+        assert read_uncached(spoke.mountpoint / SHARD) == source
+        wait_for_stats(spoke, lambda stats: stats["cached_bytes"] >= len(source))
+        data, moved = _read_through_kernel(spoke, SHARD)
+        assert data == source
+        assert moved["passthrough_opens"] == 0 and moved["reads"] > 0
+        assert spoke.stats()["verified_files"] == 0
+
+
+def test_a_corrupt_block_is_never_handed_to_the_kernel(hub: HubProcess, dataset: Path, tmp_path: Path) -> None:
+    """A block corrupted on disk before its file was verified fails the
+    verification: the file stays with the daemon (which refetches the block),
+    and only once it verifies whole does the kernel read it directly."""
+    source = (dataset / SHARD).read_bytes()
+    cache_dir = tmp_path / "cache"
+    with mounted_spoke(hub.url, tmp_path, ARGS, cache_dir=cache_dir) as spoke:
+        assert read_uncached(spoke.mountpoint / SHARD, 0, 100) == source[:100]  # caches block 0 only
+        wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == TEST_BLOCK_SIZE)
+    [data_file] = cache_data_files(cache_dir)
+    with open(data_file, "r+b") as corrupt:
+        corrupt.seek(50)
+        corrupt.write(bytes([source[50] ^ 0xFF]))
+    with mounted_spoke(hub.url, tmp_path, ARGS, cache_dir=cache_dir) as spoke:
+        rest = read_uncached(spoke.mountpoint / SHARD, TEST_BLOCK_SIZE)  # every block but the corrupt one
+        assert rest == source[TEST_BLOCK_SIZE:]
+        stats = wait_for_stats(spoke, lambda stats: stats["corrupt_blocks"] == 1)  # found by the verification
+        assert stats["verified_files"] == 0
+        data, moved = _read_through_kernel(spoke, SHARD)
+        assert data == source
+        assert moved["passthrough_opens"] == 0 and moved["reads"] > 0
+        wait_for_stats(spoke, lambda stats: stats["verified_files"] == 1)
+        data, moved = _read_through_kernel(spoke, SHARD)
+        assert data == source
+        assert moved == {"reads": 0, "passthrough_opens": 1}
+
+
+def test_eviction_leaves_a_file_the_kernel_reads_directly_whole(hub: HubProcess, dataset: Path, tmp_path: Path) -> None:
+    """While a file is open in passthrough mode its blocks are not evicted (a hole
+    punched in its data file would read as zeros); once closed they may be."""
+    source = (dataset / SHARD).read_bytes()
+    others = ["shards/shard-001.bin", "shards/shard-002.bin", "shards/shard-003.bin", "shards/shard-004.bin"]
+    limit = len(source) + 8 * TEST_BLOCK_SIZE  # the shard and a little more
+    args = (*ARGS, "--cache-size", str(limit))
+    with mounted_spoke(hub.url, tmp_path, args) as spoke:
+        for offset in reversed(range(0, len(source), TEST_BLOCK_SIZE)):  # backwards: no read-ahead into other files
+            assert read_uncached(spoke.mountpoint / SHARD, offset, TEST_BLOCK_SIZE) == source[offset : offset + TEST_BLOCK_SIZE]
+        wait_for_stats(spoke, lambda stats: stats["verified_files"] >= 1)
+        fd = os.open(spoke.mountpoint / SHARD, os.O_RDONLY)
+        try:
+            assert spoke.stats()["passthrough_opens"] == 1
+            for _round in range(4):  # popular enough to displace the shard's blocks, were they not held
+                for relative in others:
+                    assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
+            stats = spoke.stats()
+            assert stats["evicted_blocks"] + stats["rejected_blocks"] > 0
+            evict_from_page_cache(cache_data_files(spoke.cache_dir))
+            assert os.pread(fd, len(source) + 1, 0) == source
+        finally:
+            os.close(fd)
+
+
+# -- below the mount ---------------------------------------------------------------
+
+BLOCK = 4096
+FILE_ID, VERSION = b"\x01" * 8, b"\x02" * 8
+LENGTHS = [BLOCK, BLOCK, 100]
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Iterator[BlockCache]:
+    with block_cache(tmp_path, 64 * BLOCK, BLOCK) as opened:
+        yield opened
+
+
+def _insert_file(cache: BlockCache) -> list[BlockKey]:
+    keys = [BlockKey(FILE_ID, VERSION, blockno) for blockno in range(len(LENGTHS))]
+    blocks = [(key, bytes([key.blockno + 1]) * length, False) for key, length in zip(keys, LENGTHS, strict=True)]
+    assert cache.insert_many(blocks) == 3
+    return keys
+
+
+def test_a_file_is_verified_only_whole_and_only_for_this_boot(cache: BlockCache, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = _insert_file(cache)
+    assert not cache.verify_file(FILE_ID, VERSION, [*LENGTHS, BLOCK])  # a block missing
+    assert not cache.verify_file(FILE_ID, VERSION, [BLOCK, BLOCK, 99])  # a length that does not match
+    assert not cache.verified(FILE_ID, VERSION)
+    assert cache.verify_file(FILE_ID, VERSION, LENGTHS)
+    assert cache.verified(FILE_ID, VERSION)
+    # Another boot (a power loss may have kept entries whose bytes never reached the disk).
+    other_boot = tmp_path / "boot_id"
+    other_boot.write_text("another boot\n")
+    with monkeypatch.context() as patch:
+        patch.setattr(block_cache_module, "BOOT_ID_PATH", other_boot)
+        block_cache_module.boot_id.cache_clear()
+        try:
+            assert not cache.verified(FILE_ID, VERSION)
+        finally:
+            block_cache_module.boot_id.cache_clear()
+    assert cache.verified(FILE_ID, VERSION)
+    # Any change of a block's entry drops the mark.
+    cache.remove(keys[1])
+    assert not cache.verified(FILE_ID, VERSION)
+
+
+def test_a_held_file_keeps_its_blocks_and_its_mark(cache: BlockCache) -> None:
+    keys = _insert_file(cache)
+    assert cache.verify_file(FILE_ID, VERSION, LENGTHS)
+    assert cache.hold(FILE_ID, VERSION)
+    cache.remove(keys[0])  # what eviction and a failed check do: skipped while held
+    assert cache.contains(keys[0]) and cache.verified(FILE_ID, VERSION)
+    cache.unhold(FILE_ID, VERSION)
+    cache.remove(keys[0])
+    assert not cache.contains(keys[0]) and not cache.verified(FILE_ID, VERSION)
