@@ -47,5 +47,9 @@ class RemoteFileChanged(HubError):
     """The hub refused a block because the file changed since our snapshot (412)."""
 
 
+class OpenInAnotherVersion(CachefsError):
+    """A file is open in passthrough mode in an older version than the mount now shows."""
+
+
 class CacheDirInUse(CachefsError):
     """Another daemon holds the cache dir lock."""

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import pyfuse3
 
-from .errors import HubError, RemoteFileChanged
+from .errors import HubError, OpenInAnotherVersion, RemoteFileChanged
 from .metrics import READ_DURATION, Stats
 from .namespace import KIND_DIR, KIND_FILE, Inode, Namespace
 from .passthrough import Passthrough
@@ -195,9 +195,13 @@ class CachefsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR if entry.is_dir else errno.EINVAL)
         handle_id = self._next_handle
         self._next_handle += 1
+        try:
+            backing_id = self._passthrough.open(entry)
+        except OpenInAnotherVersion as exc:
+            log.error("cannot open inode %d until its earlier opens close: %s", inode, exc)
+            raise pyfuse3.FUSEError(errno.ESTALE) from None
         self._handles[handle_id] = OpenFile(entry, reader=ctx.pid)
         self._reader.readahead.prefetch_siblings(entry)
-        backing_id = self._passthrough.open(entry)
         if backing_id:
             # The kernel reads the cache's data file itself (its own page cache).
             return pyfuse3.FileInfo(fh=handle_id, keep_cache=False, backing_id=backing_id)

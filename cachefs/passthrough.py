@@ -34,6 +34,7 @@ import pyfuse3
 import trio
 
 from .cache import BlockCache, BlockKey
+from .errors import OpenInAnotherVersion
 from .metrics import Stats
 from .namespace import Inode
 
@@ -100,9 +101,15 @@ class Passthrough:
     # -- opens and releases (trio thread) ---------------------------------------------
 
     def open(self, inode: Inode) -> int:
-        """The backing id for a new open of `inode`, or 0 to serve it through the daemon."""
+        """The backing id for a new open of `inode`, or 0 to serve it through the daemon.
+
+        Raises OpenInAnotherVersion if the inode is open in passthrough mode in an older
+        version (a refresh changed the file): the kernel allows one backing file per inode.
+        """
         opens = self._opens.get(inode.ino)
         if opens is not None:
+            if opens.backing_id and opens.inode.version != inode.version:
+                raise OpenInAnotherVersion(f"inode {inode.ino} is open in passthrough mode in an older version")
             opens.count += 1
         else:
             opens = self._opens[inode.ino] = _InodeOpens(inode, 1, self._backing_id(inode))
@@ -119,6 +126,7 @@ class Passthrough:
         if opens.count > 0:
             return
         del self._opens[inode.ino]
+        inode = opens.inode  # the version the opens were made in
         if opens.backing_id:
             self._close_backing(opens.backing_id)
             self._cache.unhold(inode.file_id, inode.version)

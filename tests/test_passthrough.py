@@ -3,7 +3,10 @@ from the cache's data files; anything else, and every read without it, through t
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,8 +14,9 @@ import pytest
 from cache_helpers import block_cache
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE
-from hub_helpers import HubProcess
-from mount_helpers import SpokeMount, cache_data_files, mounted_spoke, wait_for_stats
+from hub_helpers import HubProcess, running_hub
+from mount_helpers import SpokeMount, cache_data_files, mounted_spoke, run_cachefs, wait_for_stats
+from test_consistency import health, wait_for_generation_change
 from test_mount import evict_from_page_cache, read_uncached
 
 from cachefs.cache import BlockCache, BlockKey
@@ -117,6 +121,38 @@ def test_eviction_leaves_a_file_the_kernel_reads_directly_whole(hub: HubProcess,
             assert os.pread(fd, len(source) + 1, 0) == source
         finally:
             os.close(fd)
+
+
+def test_a_file_changed_by_a_refresh_while_open_directly_waits_for_its_old_opens(dataset: Path,
+                                                                              tmp_path: Path) -> None:
+    """The kernel allows one backing file per inode, and inode numbers survive a
+    refresh: while the old version is open in passthrough mode, the old handle
+    keeps reading the old bytes and a new open fails with ESTALE (never a mix);
+    once it is closed, the new version opens and reads whole."""
+    source = tmp_path / "source"
+    shutil.copytree(dataset, source, symlinks=True)
+    changed = source / SHARD
+    old_bytes = changed.read_bytes()
+    with running_hub(source) as hub, mounted_spoke(hub.url, tmp_path, ARGS) as spoke:
+        mounted = spoke.mountpoint / SHARD
+        assert read_uncached(mounted) == old_bytes
+        wait_for_stats(spoke, lambda stats: stats["verified_files"] >= 1)
+        fd = os.open(mounted, os.O_RDONLY)
+        try:
+            assert spoke.stats()["passthrough_opens"] == 1
+            new_bytes = os.urandom(len(old_bytes) - 1000)
+            generation = health(hub.url)["generation"]
+            changed.write_bytes(new_bytes)
+            hub.proc.send_signal(signal.SIGUSR1)
+            wait_for_generation_change(hub.url, generation)
+            assert run_cachefs("refresh", spoke.mountpoint).returncode == 0
+            with pytest.raises(OSError) as failure:
+                os.open(mounted, os.O_RDONLY)
+            assert failure.value.errno == errno.ESTALE
+            assert os.pread(fd, len(old_bytes) + 1, 0) == old_bytes
+        finally:
+            os.close(fd)
+        assert read_uncached(mounted) == new_bytes
 
 
 # -- below the mount ---------------------------------------------------------------
