@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -34,7 +35,8 @@ from .processes import (
     start_server,
     wan_bytes_from_summary,
 )
-from .workloads import find_dataset, sequential_read
+from .targets import PASSTHROUGH_STATE
+from .workloads import find_dataset, sequential_read, small_read_all
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,12 @@ class Link:
     def rate_mb_per_s(self) -> float | None:
         return self.rate_mbit / 8 if self.rate_mbit else None
 
+
+# One warm run with the kernel reading verified cached files directly (FUSE
+# passthrough, README), on this link: warm reads fetch nothing, so one link shows it.
+PASSTHROUGH_LINK = "capped"
+PASSTHROUGH_ARGS = ("--passthrough",)
+VERIFY_TIMEOUT_S = 120.0
 
 LINKS = {
     "capped": Link("capped", f"{RTT_MS:g} ms, {LINK_MBIT / 1000:g} Gbit/s", RTT_MS / 2, LINK_MBIT),
@@ -102,7 +110,8 @@ class Scenario:
 
     @property
     def slug(self) -> str:
-        return "-".join(part for part in (self.system, self.link.key if self.link else "", self.state) if part)
+        parts = (self.system, self.link.key if self.link else "", self.state)
+        return re.sub(r"[^a-z0-9]+", "-", "-".join(part for part in parts if part).lower()).strip("-")
 
 
 def scenario_timeout_s(budget: Budget) -> float:
@@ -241,11 +250,13 @@ class Bench:
 
     # mounts
 
-    def mount(self, system: str, url: str, scenario: Scenario, cache_dir: Path) -> CachefsMount | PeerMount:
+    def mount(self, system: str, url: str, scenario: Scenario, cache_dir: Path,
+              spoke_args: Sequence[str] = ()) -> CachefsMount | PeerMount:
         mountpoint = self.config.work_dir / "mnt" / system
         if system == "cachefs":
             return CachefsMount(url, mountpoint, cache_dir,
-                                ["--cache-size", str(self.config.cache_size_bytes), *self.config.spoke_args])
+                                ["--cache-size", str(self.config.cache_size_bytes), *self.config.spoke_args,
+                                 *spoke_args])
         log_path = self.logs / f"{scenario.slug}.{system}.log"
         if system == "rclone":
             config_file = self.config.work_dir / "rclone.conf"
@@ -259,11 +270,12 @@ class Bench:
             raise ValueError(system)
         return PeerMount(system, argv, mountpoint, log_path)
 
-    def run_mounted(self, scenario: Scenario, url: str, cache_dir: Path, extra_args: Sequence[str]) -> dict[str, Any]:
+    def run_mounted(self, scenario: Scenario, url: str, cache_dir: Path, extra_args: Sequence[str],
+                    spoke_args: Sequence[str] = ()) -> dict[str, Any]:
         """Mount, measure, unmount; the record of one scenario."""
         record: dict[str, Any] = {"name": scenario.name, "system": scenario.system, "link": scenario.link.key
                                   if scenario.link else None, "state": scenario.state}
-        mount = self.mount(scenario.system, url, scenario, cache_dir)
+        mount = self.mount(scenario.system, url, scenario, cache_dir, spoke_args)
         try:
             drop_page_cache()
             pid = mount.pid()
@@ -357,22 +369,71 @@ class Bench:
                 self.prewarms.append(self.prewarm(system, server, link, cache_dir, port["wan"]))
             except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
                 log.error("prewarm of %s over %s failed: %s", system, link.label, exc)
-            self.run_scenario(Scenario(system, link, "warm"),
-                              self._measure(server, link, cache_dir, port, warm_caps(cold.get("results"))))
+            caps = warm_caps(cold.get("results"))
+            self.run_scenario(Scenario(system, link, "warm"), self._measure(server, link, cache_dir, port, caps))
+            if system == "cachefs" and link.key == PASSTHROUGH_LINK:
+                try:
+                    self.prewarms.append(self.verify_for_passthrough(server, link, cache_dir, port["wan"], caps))
+                except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                    log.error("reading the cache for --passthrough over %s failed: %s", link.label, exc)
+                self.run_scenario(Scenario(system, link, PASSTHROUGH_STATE),
+                                  self._measure(server, link, cache_dir, port, caps, PASSTHROUGH_ARGS))
+
+    def verify_for_passthrough(self, server: Server, link: Link, cache_dir: Path, port: int,
+                               caps: Sequence[str]) -> dict[str, Any]:
+        """Before the --passthrough run: read every file the warm run reads once through a
+        --passthrough mount, whose daemon then verifies each whole file for the kernel, and
+        wait (bounded) for the verifications. Nothing is fetched: the cache holds them all."""
+        scenario = Scenario("cachefs", link, "verify")
+        record: dict[str, Any] = {"name": scenario.name}
+        with self.link_to(server, link, scenario.slug, port) as (url, wan):
+            mount = self.mount("cachefs", url, scenario, cache_dir, PASSTHROUGH_ARGS)
+            try:
+                dataset = find_dataset(mount.mountpoint)
+                small_cap = int(caps[1]) if caps[:1] == ["--small-files"] else None
+                files = [*dataset.large, *dataset.small[:small_cap]]
+                began = time.monotonic()
+                sequential_read(dataset.large, 4, self.config.budget.time_limit_s)
+                small_read_all(dataset.small, 16, self.config.budget.time_limit_s, small_cap)
+                stats = _wait_for_verified(mount, sum(entry.size_bytes > 0 for entry in files))
+                record.update(files=len(files), wall_s=time.monotonic() - began,
+                              verified_files=stats["verified_files"] if stats else None)
+            finally:
+                mount.unmount()
+        record["wan_bytes"] = wan["bytes"]
+        log.info("verified %s of %d files for --passthrough in %.0f s", record.get("verified_files"),
+                 record.get("files", 0), record.get("wall_s", 0))
+        return record
 
     def _measure(self, server: Server, link: Link, cache_dir: Path, port: dict[str, int],
-                 caps: list[str]) -> Callable[[Scenario], dict[str, Any]]:
+                 caps: list[str], spoke_args: Sequence[str] = ()) -> Callable[[Scenario], dict[str, Any]]:
         """A scenario runner: emulator (on the port of earlier runs, if any), mount, workloads."""
 
         def run(scenario: Scenario) -> dict[str, Any]:
             with self.link_to(server, link, scenario.slug, port["wan"]) as (url, wan):
                 port["wan"] = wan["port"] or 0
-                record = self.run_mounted(scenario, url, cache_dir, caps)
+                record = self.run_mounted(scenario, url, cache_dir, caps, spoke_args)
             record["resources"]["wan_bytes"] = wan["bytes"]
             record["resources"]["emulator_cpu_s"] = wan["cpu_s"]
             return record
 
         return run
+
+
+def _wait_for_verified(mount: CachefsMount | PeerMount, files: int,
+                       timeout_s: float = VERIFY_TIMEOUT_S) -> dict[str, Any] | None:
+    """The mount's stats once `files` files are verified, or when the count stops growing
+    for a few seconds or `timeout_s` passes (a file the cache does not hold whole is never verified)."""
+    deadline = time.monotonic() + timeout_s
+    last, still_since = -1, time.monotonic()
+    while True:
+        stats = mount.stats() if isinstance(mount, CachefsMount) else None
+        verified = stats["verified_files"] if stats else -1
+        if verified >= files or time.monotonic() > deadline or time.monotonic() - still_since > 5.0:
+            return stats
+        if verified != last:
+            last, still_since = verified, time.monotonic()
+        time.sleep(0.5)
 
 
 def _fetched_bytes(results: dict[str, Any]) -> int | None:
