@@ -10,7 +10,7 @@ served by the daemon as before.
 
 Such reads skip the daemon's per-read checksum checks, so a file version is
 handed to the kernel only when its cache holds every block and all were read
-back and verified since the machine booted (BlockCache.verify_file; this
+back and verified since the machine booted (BlockCache.verify_files; this
 module verifies files in the background after they are read whole), and
 its blocks are held out of eviction while it is open that way.
 
@@ -233,8 +233,8 @@ class Passthrough:
         """Worker thread: check each file whole (an incomplete one is skipped after
         its index entries); returns how many were marked verified."""
         block_size = self._cache.store.block_size
-        verified = 0
-        for inode in inodes:
-            lengths = [inode.block_length(blockno, block_size) for blockno in range(inode.block_count(block_size))]
-            verified += self._cache.verify_file(inode.file_id, inode.version, lengths)
-        return verified
+        return self._cache.verify_files([
+            (inode.file_id, inode.version,
+             [inode.block_length(blockno, block_size) for blockno in range(inode.block_count(block_size))])
+            for inode in inodes
+        ])

@@ -178,10 +178,10 @@ def _insert_file(cache: BlockCache) -> list[BlockKey]:
 def test_a_file_is_verified_only_whole_and_only_for_this_boot(cache: BlockCache, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     keys = _insert_file(cache)
-    assert not cache.verify_file(FILE_ID, VERSION, [*LENGTHS, BLOCK])  # a block missing
-    assert not cache.verify_file(FILE_ID, VERSION, [BLOCK, BLOCK, 99])  # a length that does not match
+    assert cache.verify_files([(FILE_ID, VERSION, [*LENGTHS, BLOCK])]) == 0  # a block missing
+    assert cache.verify_files([(FILE_ID, VERSION, [BLOCK, BLOCK, 99])]) == 0  # a length that does not match
     assert not cache.verified(FILE_ID, VERSION)
-    assert cache.verify_file(FILE_ID, VERSION, LENGTHS)
+    assert cache.verify_files([(b"\x09" * 8, VERSION, [BLOCK]), (FILE_ID, VERSION, LENGTHS)]) == 1  # one commit
     assert cache.verified(FILE_ID, VERSION)
     # Another boot (a power loss may have kept entries whose bytes never reached the disk).
     other_boot = tmp_path / "boot_id"
@@ -201,7 +201,7 @@ def test_a_file_is_verified_only_whole_and_only_for_this_boot(cache: BlockCache,
 
 def test_a_held_file_keeps_its_blocks_and_its_mark(cache: BlockCache) -> None:
     keys = _insert_file(cache)
-    assert cache.verify_file(FILE_ID, VERSION, LENGTHS)
+    assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == 1
     assert cache.hold(FILE_ID, VERSION)
     cache.remove(keys[0])  # what eviction and a failed check do: skipped while held
     assert cache.contains(keys[0]) and cache.verified(FILE_ID, VERSION)

@@ -266,22 +266,27 @@ class BlockCache:
 
     # -- whole files for the kernel (FUSE passthrough) ----------------------------
 
-    def verify_file(self, file_id: bytes, version: bytes, block_lengths: list[int]) -> bool:
-        """Read back every block of a file version and check it against its sums
-        (worker thread); if all are there and match, mark the file verified for
-        this boot. False when a block is missing, short or corrupt (then dropped)."""
+    def verify_files(self, files: list[tuple[bytes, bytes, list[int]]]) -> int:
+        """Read back every block of each file version (file id, version, block
+        lengths) and check it against its sums (worker thread); mark those whose
+        blocks are all there and match as verified for this boot, in one commit.
+        Returns how many were marked. A corrupt block is dropped."""
+        checked = [blocks for file_id, version, lengths in files if (blocks := self._check_file(file_id, version, lengths))]
+        return self.index.mark_verified(checked, boot_id()) if checked else 0
+
+    def _check_file(self, file_id: bytes, version: bytes, block_lengths: list[int]) -> list[tuple[BlockKey, int]]:
+        """(key, entry seq) of each block if all are cached and match their sums, else []."""
         blocks = []
         for blockno, length in enumerate(block_lengths):
             key = BlockKey(file_id, version, blockno)
             entry = self.index.get(key)
             if entry is None or entry.length != length:
-                return False
+                return []
             blocks.append((key, entry))
         for key, entry in blocks:
             if self._read_chunks(key, entry, 0, entry.length, False) is None:
-                return False
-        checked = [(key, entry.seq) for key, entry in blocks]
-        return bool(checked) and self.index.mark_verified(checked, boot_id())
+                return []
+        return [(key, entry.seq) for key, entry in blocks]
 
     def verified(self, file_id: bytes, version: bytes) -> bool:
         """Whether every block of the file version is cached and was verified since boot."""

@@ -77,18 +77,19 @@ class BlockIndex:
             self._forget(txn, packed, entry)
         return entry.length
 
-    def mark_verified(self, checked: list[tuple[BlockKey, int]], boot_id: bytes) -> bool:
-        """Record that a file version's blocks (key, entry seq), all of them, were
-        verified during boot `boot_id`; False (nothing recorded) if any entry
-        changed since it was read. Any later change of an entry drops the record."""
+    def mark_verified(self, files: list[list[tuple[BlockKey, int]]], boot_id: bytes) -> int:
+        """Record, in one transaction, that each file version's blocks (key, entry seq),
+        all of them, were verified during boot `boot_id`; a file whose entries changed
+        since they were read is left out. Returns how many were recorded. Any later
+        change of an entry drops its file's record."""
+        marked = 0
         with self._db.env.begin(write=True) as txn:
-            for key, seq in checked:
-                value = txn.get(key.packed(), db=self._db.blocks)
-                if value is None or IndexEntry.unpack(value).seq != seq:
-                    return False
-            key = checked[0][0]
-            txn.put(key.file_id + key.version, boot_id, db=self._db.verified)
-        return True
+            for checked in files:
+                if all(_has_seq(txn, self._db, key, seq) for key, seq in checked):
+                    key = checked[0][0]
+                    txn.put(key.file_id + key.version, boot_id, db=self._db.verified)
+                    marked += 1
+        return marked
 
     def verified_boot(self, file_id: bytes, version: bytes) -> bytes | None:
         """The boot during which the file version was last verified whole, if it was."""
@@ -154,6 +155,11 @@ class BlockIndex:
         txn.delete(_SEQ.pack(entry.seq), db=self._db.fifo)  # type: ignore[attr-defined]
         _bump(txn, self._db, _USED, -entry.length)
         _bump(txn, self._db, _COUNT, -1)
+
+
+def _has_seq(txn: object, db: Database, key: BlockKey, seq: int) -> bool:
+    value = txn.get(key.packed(), db=db.blocks)  # type: ignore[attr-defined]
+    return value is not None and IndexEntry.unpack(value).seq == seq
 
 
 def _counter(txn: object, db: Database, name: bytes) -> int:
