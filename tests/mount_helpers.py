@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -135,4 +137,56 @@ def wait_for_stats(spoke: SpokeMount, predicate: Any, timeout_s: float = 20.0) -
         if predicate(stats):
             return stats
         assert time.monotonic() < deadline, f"stats never satisfied the condition: {stats}"
+        time.sleep(0.05)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def resident_pages(path: Path) -> int:
+    """How many pages of a file are in the page cache (mincore(2) on a read-only map)."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if address == _MAP_FAILED:
+            raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+        try:
+            pages = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
+            if _libc.mincore(address, size, pages) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+            return sum(byte & 1 for byte in pages.raw)
+        finally:
+            _libc.munmap(address, size)
+    finally:
+        os.close(fd)
+
+
+def evict_from_page_cache(paths: list[Path], timeout_s: float = 2.0) -> bool:
+    """Write back and drop the page cache of files, so reading them needs the disk.
+
+    Pages still being read in (readahead under way) survive a drop, so this
+    drops again until none is left; returns False if some still were after
+    `timeout_s`.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        if not any(resident_pages(path) for path in paths):
+            return True
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.05)

@@ -20,6 +20,7 @@ from mount_helpers import (
     SpokeMount,
     cache_data_files,
     cache_disk_bytes,
+    evict_from_page_cache,
     is_mounted,
     mount_spoke,
     mounted_spoke,
@@ -283,17 +284,6 @@ def test_small_reads_verify_the_chunks_they_read(hub, dataset: Path, tmp_path: P
         assert read_uncached(path) == source
 
 
-def evict_from_page_cache(paths: list[Path]) -> None:
-    """Write back and drop the page cache of files, so reading them needs the disk."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def test_cached_bytes_read_back_from_disk(hub, dataset: Path, tmp_path: Path) -> None:
     """With the cache's data files out of the page cache, small reads read their
     chunks on the event loop's thread (worker threads if the disk is slow),
@@ -322,9 +312,8 @@ def test_cached_bytes_read_back_from_disk(hub, dataset: Path, tmp_path: Path) ->
         # data file's readahead brought in) and was read inline (a slow disk sends later ones to threads).
         assert small["disk_reads"] >= 1
         assert small["disk_reads_inline"] >= 1
-        evict_from_page_cache(cache_data_files(cache_dir))
-        time.sleep(0.5)  # readahead still under way when evicting stays cached: let it end, evict again
-        evict_from_page_cache(cache_data_files(cache_dir))
+        time.sleep(0.5)  # let readahead the small reads started end
+        assert evict_from_page_cache(cache_data_files(cache_dir))
         assert read_uncached(path) == source
         whole = spoke.stats()
         assert whole["disk_reads"] - whole["disk_reads_inline"] > small["disk_reads"] - small["disk_reads_inline"]

@@ -15,9 +15,9 @@ from cache_helpers import block_cache
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE
 from hub_helpers import HubProcess, running_hub
-from mount_helpers import SpokeMount, cache_data_files, mounted_spoke, run_cachefs, wait_for_stats
+from mount_helpers import SpokeMount, cache_data_files, evict_from_page_cache, mounted_spoke, run_cachefs, wait_for_stats
 from test_consistency import health, wait_for_generation_change
-from test_mount import evict_from_page_cache, read_uncached
+from test_mount import read_uncached
 
 from cachefs.cache import BlockCache, BlockKey
 from cachefs.cache import block_cache as block_cache_module
