@@ -63,6 +63,11 @@ def supported_by_pyfuse3() -> bool:
     return hasattr(pyfuse3, "get_session_fd")
 
 
+def _register_backing(fd: int) -> int:
+    """Hand the kernel a backing file (it keeps its own reference); returns its backing id."""
+    return fcntl.ioctl(pyfuse3.get_session_fd(), FUSE_DEV_IOC_BACKING_OPEN, bytearray(_BACKING_MAP.pack(fd, 0, 0)))
+
+
 @dataclasses.dataclass(slots=True)
 class _InodeOpens:
     """The open handles of one inode, all in one mode."""
@@ -90,8 +95,7 @@ class Passthrough:
             return
         try:
             with tempfile.TemporaryFile(dir=self._cache.store.data_dir) as probe:
-                request = bytearray(_BACKING_MAP.pack(probe.fileno(), 0, 0))
-                backing_id = fcntl.ioctl(pyfuse3.get_session_fd(), FUSE_DEV_IOC_BACKING_OPEN, request)
+                backing_id = _register_backing(probe.fileno())
             self._close_backing(backing_id)
         except OSError as exc:
             self._give_up(exc)
@@ -166,8 +170,7 @@ class Passthrough:
                 log.warning("the data file of inode %d is not %d bytes long; serving it through the daemon",
                             inode.ino, inode.size)
                 return 0
-            request = bytearray(_BACKING_MAP.pack(fd, 0, 0))
-            return fcntl.ioctl(pyfuse3.get_session_fd(), FUSE_DEV_IOC_BACKING_OPEN, request)
+            return _register_backing(fd)
         except OSError as exc:
             self._give_up(exc)
             return 0

@@ -151,12 +151,16 @@ def warm_caps(cold: dict[str, Any] | None) -> list[str]:
 
     The random-read group needs none: it is prewarmed whole between the runs (see `Bench.prewarm`).
     """
-    if not cold:
-        return []
-    small = cold["workloads"].get("small", {})
+    small_files = small_files_read(cold)
+    return [] if small_files is None else ["--small-files", str(small_files)]
+
+
+def small_files_read(cold: dict[str, Any] | None) -> int | None:
+    """How many small files a cold run read, if its read was cut short (else None: all of them)."""
+    small = cold["workloads"].get("small", {}) if cold else {}
     if "files" in small and not small.get("complete", True):
-        return ["--small-files", str(max(1, small["files"]))]
-    return []
+        return max(1, small["files"])
+    return None
 
 
 def bytes_read(results: dict[str, Any]) -> int:
@@ -373,14 +377,15 @@ class Bench:
             self.run_scenario(Scenario(system, link, "warm"), self._measure(server, link, cache_dir, port, caps))
             if system == "cachefs" and link.key == PASSTHROUGH_LINK:
                 try:
-                    self.prewarms.append(self.verify_for_passthrough(server, link, cache_dir, port["wan"], caps))
+                    self.prewarms.append(self.verify_for_passthrough(server, link, cache_dir, port["wan"],
+                                                                     small_files_read(cold.get("results"))))
                 except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
                     log.error("reading the cache for --passthrough over %s failed: %s", link.label, exc)
                 self.run_scenario(Scenario(system, link, PASSTHROUGH_STATE),
                                   self._measure(server, link, cache_dir, port, caps, PASSTHROUGH_ARGS))
 
     def verify_for_passthrough(self, server: Server, link: Link, cache_dir: Path, port: int,
-                               caps: Sequence[str]) -> dict[str, Any]:
+                               small_cap: int | None) -> dict[str, Any]:
         """Before the --passthrough run: read every file the warm run reads once through a
         --passthrough mount, whose daemon then verifies each whole file for the kernel, and
         wait (bounded) for the verifications. Nothing is fetched: the cache holds them all."""
@@ -390,7 +395,6 @@ class Bench:
             mount = self.mount("cachefs", url, scenario, cache_dir, PASSTHROUGH_ARGS)
             try:
                 dataset = find_dataset(mount.mountpoint)
-                small_cap = int(caps[1]) if caps[:1] == ["--small-files"] else None
                 files = [*dataset.large, *dataset.small[:small_cap]]
                 began = time.monotonic()
                 sequential_read(dataset.large, 4, self.config.budget.time_limit_s)
