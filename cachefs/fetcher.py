@@ -11,12 +11,13 @@ like a broken connection.
 
 Read-ahead uses at most `prefetch_connections` connections, so demand
 misses always find one free. Small files prefetched together are asked for
-in one batch request (hubserver/batch.py), each checked like a block.
+in one batch request (hubserver/batch.py), each checked like a block and
+handed to its readers as soon as it has arrived, before the rest of the batch.
 
 Fetched blocks are handed to readers at once and written to the cache by a
-single writer task that commits them in batches (one fsync per batch, not
-per block); a flight stays visible until its block is committed, so no
-reader fetches a block that is on its way to disk.
+single writer task that commits them in batches of up to 16 MiB (one fsync
+per batch, not per block); a flight stays visible until its block is
+committed, so no reader fetches a block that is on its way to disk.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import math
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -41,16 +43,38 @@ log = logging.getLogger(__name__)
 
 FIRST_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 5.0
-# Blocks waiting to be written: 16 x 1 MiB bounds the memory a slow disk can
-# take; a full queue makes fetchers wait (backpressure), never drops data.
-WRITE_QUEUE_BLOCKS = 16
-WRITE_BATCH_BLOCKS = 16
+# Bytes of fetched blocks waiting for the cache writer or being written: they
+# bound the memory a slow disk can take; when they are all taken, fetchers
+# wait (backpressure), never drop data. The writer commits up to half of them
+# at once (16 blocks of 1 MiB, or ~160 small files: one fsync for all).
+WRITE_QUEUE_BYTES = 32 << 20
+WRITE_BATCH_BYTES = WRITE_QUEUE_BYTES // 2
 PREFETCHED_REMEMBERED = 4096
 # Bytes of small files fetched ahead kept in memory after their write until
 # a reader takes them, so the first read of such a file does not read back
 # and re-verify what was just written. (Not large files' read-ahead: no gain
 # measured there, and it would add to the peak memory of a cold stream.)
 UNREAD_BYTES = 8 << 20
+
+
+class _ByteBudget:
+    """Bytes taken and not yet given back, at most `limit` (one taker larger than the limit
+    waits until nothing else is taken). For tasks of one trio run: no locking."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._taken = 0
+        self._room = trio.Event()
+
+    async def take(self, size: int) -> None:
+        while self._taken and self._taken + size > self._limit:
+            await self._room.wait()
+        self._taken += size
+
+    def give_back(self, size: int) -> None:
+        self._taken -= size
+        self._room.set()
+        self._room = trio.Event()
 
 
 class _Flight:
@@ -100,9 +124,8 @@ class Fetcher:
         self._unread: collections.OrderedDict[BlockKey, BlockData] = collections.OrderedDict()
         self._unread_bytes = 0
         self.prefetch_slots = trio.CapacityLimiter(max(1, prefetch_connections))
-        self._write_send, self._write_receive = trio.open_memory_channel[tuple[BlockKey, BlockData, bool]](
-            WRITE_QUEUE_BLOCKS
-        )
+        self._write_room = _ByteBudget(WRITE_QUEUE_BYTES)
+        self._write_send, self._write_receive = trio.open_memory_channel[tuple[BlockKey, BlockData, bool]](math.inf)
 
     def flight(self, key: BlockKey) -> _Flight | None:
         """The block's flight if it is being fetched or written."""
@@ -153,7 +176,7 @@ class Fetcher:
         """
         flights = self._prefetch_flights(keys, count_readahead=True)
         if self.batches:
-            attempt = functools.partial(self._verified_batch, keys, lengths)
+            attempt = functools.partial(self._verified_batch, keys, lengths, flights)
             try:
                 return await self._run(
                     list(keys), flights, attempt, on_fetched=self._hold_unread, unsettled_on=(RemoteFileChanged, BatchUnsupported)
@@ -252,18 +275,32 @@ class Fetcher:
         force_admission: bool = False,
         on_fetched: Callable[[BlockKey, BlockData], None] | None = None,
     ) -> None:
-        """Hand fetched blocks to their waiters, then to the cache writer."""
+        """Hand fetched blocks to their waiters (those not handed over already), then to the
+        cache writer, as its room allows: readers never wait for the disk."""
         for key, flight, data in zip(keys, flights, pieces, strict=True):
-            flight.data = data
-            flight.done.set()
-            if on_fetched is not None:
-                on_fetched(key, data)
-            await self._write_send.send((key, data, force_admission))
+            self._hand_over(key, flight, data, on_fetched)
+        for key, data in zip(keys, pieces, strict=True):
+            await self._write_room.take(len(data))
+            self._write_send.send_nowait((key, data, force_admission))
+
+    @staticmethod
+    def _hand_over(
+        key: BlockKey, flight: _Flight, data: BlockData, on_fetched: Callable[[BlockKey, BlockData], None] | None
+    ) -> None:
+        """A block's verified bytes to whoever waits for it, once."""
+        if flight.done.is_set():
+            return
+        flight.data = data
+        flight.done.set()
+        if on_fetched is not None:
+            on_fetched(key, data)
 
     def _fail(self, keys: list[BlockKey], flights: list[_Flight], error: HubError) -> None:
+        """End flights without a result (a flight handed its bytes over already keeps them, uncached)."""
         for key, flight in zip(keys, flights, strict=True):
-            flight.error = error
-            flight.done.set()
+            if not flight.done.is_set():
+                flight.error = error
+                flight.done.set()
             if self._flights.get(key) is flight:
                 del self._flights[key]
 
@@ -273,11 +310,13 @@ class Fetcher:
         async with self._write_receive:
             async for first in self._write_receive:
                 batch = [first]
-                while len(batch) < WRITE_BATCH_BLOCKS:
+                batch_bytes = len(first[1])
+                while batch_bytes < WRITE_BATCH_BYTES:
                     try:
                         batch.append(self._write_receive.receive_nowait())
                     except trio.WouldBlock:
                         break
+                    batch_bytes += len(batch[-1][1])
                 kept = [item for item in batch if item[0] not in self._discarded]
                 try:
                     if kept:
@@ -286,6 +325,7 @@ class Fetcher:
                     for key, _data, _force in batch:
                         self._flights.pop(key, None)
                         self._discarded.discard(key)
+                    self._write_room.give_back(batch_bytes)
                     self._batch_written.set()
                     self._batch_written = trio.Event()
 
@@ -321,13 +361,19 @@ class Fetcher:
             raise HubProtocolError(f"block {key.blockno + offset} of file {key.file_id.hex()} failed its checksum")
         return pieces
 
-    async def _verified_batch(self, keys: Sequence[BlockKey], lengths: Sequence[int]) -> list[bytearray]:
-        """One attempt at a batch of whole small files, each checked against the hub's checksum."""
+    async def _verified_batch(
+        self, keys: Sequence[BlockKey], lengths: Sequence[int], flights: Sequence[_Flight]
+    ) -> list[bytearray]:
+        """One attempt at a batch of whole small files, each checked against the hub's checksum
+        and handed to its waiters as soon as it has arrived (not after the whole batch)."""
+
+        def arrived(index: int, piece: bytearray, checksum: int) -> None:
+            if self._first_mismatch([piece], [checksum]) is not None:
+                raise HubProtocolError(f"file {keys[index].file_id.hex()} of a batch failed its checksum")
+            self._hand_over(keys[index], flights[index], piece, self._hold_unread)
+
         files = [(key.file_id.hex(), key.version.hex()) for key in keys]
-        pieces, sums = await self._client.get_batch(files, lengths, self._block_size)
-        index = self._first_mismatch(pieces, sums)
-        if index is not None:
-            raise HubProtocolError(f"file {keys[index].file_id.hex()} of a batch failed its checksum")
+        pieces, _sums = await self._client.get_batch(files, lengths, self._block_size, arrived)
         return pieces
 
     def _first_mismatch(self, pieces: list[bytearray], expected: Sequence[int]) -> int | None:

@@ -13,7 +13,7 @@ import logging
 import re
 import ssl
 import zlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import h11
@@ -61,18 +61,22 @@ class _Connection:
                 raise HubUnavailable(f"hub sent nothing for {read_timeout_s:g} s")
             self.h11.receive_data(chunk)
 
-    async def read_body_into(self, buffers: list[bytearray], read_timeout_s: float) -> int:
+    async def read_body_into(
+        self, buffers: list[bytearray], read_timeout_s: float, on_filled: Callable[[int], None] | None = None
+    ) -> int:
         """Read a Content-Length body straight into `buffers`, in order; returns the bytes read.
 
         h11 parses the head; the body bypasses it: what h11 already buffered
         is copied out, the rest goes from the socket into the buffers with
         recv_into. This saves three copies per block, the client's main cost.
         Afterwards the connection gets a fresh h11 state for the next request.
+        `on_filled(i)` is called as soon as buffer i is full (it may raise, which
+        aborts the read).
         """
         self._body_bypassed = True
         buffered = self._drain_h11_body()
         total = 0
-        for buffer in buffers:
+        for index, buffer in enumerate(buffers):
             view = memoryview(buffer)
             filled = 0
             while buffered and filled < len(buffer):
@@ -91,6 +95,8 @@ class _Connection:
                     return total + filled
                 filled += received
             total += filled
+            if on_filled is not None:
+                on_filled(index)
         if buffered:
             raise HubProtocolError("hub sent more body than its Content-Length")
         return total
@@ -205,13 +211,18 @@ class HubClient:
         return pieces, sums
 
     async def get_batch(
-        self, files: Sequence[tuple[str, str]], lengths: Sequence[int], block_size: int
+        self,
+        files: Sequence[tuple[str, str]],
+        lengths: Sequence[int],
+        block_size: int,
+        on_file: Callable[[int, bytearray, int], None] | None = None,
     ) -> tuple[list[bytearray], list[int]]:
         """Whole small files (id, version), each at most one block, in one request (hubserver/batch.py).
 
         Returns their bytes (`lengths`, from the manifest) and the hub's
         checksum of each. RemoteFileChanged if any of them is not the hub's
-        current version.
+        current version. `on_file(i, bytes, checksum)` gets each file as soon
+        as it has arrived, before the rest of the answer.
         """
         names = ",".join(f"{file_id}.{version}" for file_id, version in files)
         async with self._request(f"/v1/batch?bs={block_size}&f={names}") as (response, conn):
@@ -228,14 +239,24 @@ class HubClient:
             if BATCH_SUMS_HEADER not in response.headers:
                 raise BatchUnsupported(f"a batch answer came without its {BATCH_SUMS_HEADER.decode()} header")
             sums = _parse_batch_sums(response.headers[BATCH_SUMS_HEADER], len(files))
-            pieces = await self._read_pieces(conn, lengths, f"a batch of {len(files)} files")
+            on_piece = None if on_file is None else lambda index, piece: on_file(index, piece, sums[index])
+            pieces = await self._read_pieces(conn, lengths, f"a batch of {len(files)} files", on_piece)
         return pieces, sums
 
-    async def _read_pieces(self, conn: _Connection, lengths: Sequence[int], what: str) -> list[bytearray]:
-        """The body, received straight into one buffer per piece; exactly sum(lengths) bytes or an error."""
+    async def _read_pieces(
+        self,
+        conn: _Connection,
+        lengths: Sequence[int],
+        what: str,
+        on_piece: Callable[[int, bytearray], None] | None = None,
+    ) -> list[bytearray]:
+        """The body, received straight into one buffer per piece; exactly sum(lengths) bytes or an error.
+
+        `on_piece(i, piece)` gets each piece as soon as it is complete."""
         pieces = [bytearray(piece_length) for piece_length in lengths]
+        on_filled = None if on_piece is None else lambda index: on_piece(index, pieces[index])
         try:
-            received = await conn.read_body_into(pieces, self._read_timeout_s)
+            received = await conn.read_body_into(pieces, self._read_timeout_s, on_filled)
         except OSError as exc:
             raise HubUnavailable(f"connection to hub {self.url} failed: {exc}") from None
         if received != sum(lengths):

@@ -10,6 +10,8 @@ before forwarding it, a slow link; with `delay_min_bytes` only file ranges
 at least that long (read-ahead's runs, not single-block misses).
 `counts["delayed"]` says how many it held, `data_in_flight` how many data
 requests it holds or forwards now, `most_data_in_flight` the most at once.
+`stall_batches_after` sends that many bytes of every batch answer, then
+holds the rest for `stall_s` (`counts["stalled batches"]`).
 
     with running_fault_proxy(hub.url, fault_rate=0.3) as proxy:
         mount(proxy.url, ...)
@@ -42,6 +44,7 @@ class FaultProxy:
     enabled: bool = True
     delay_s: float = 0.0
     delay_min_bytes: int = 0
+    stall_batches_after: int | None = None
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
     url: str = ""
     data_in_flight: int = 0
@@ -109,13 +112,23 @@ class FaultProxy:
             flipped = bytearray(body)
             flipped[self._rng.randrange(len(flipped))] ^= 1 << self._rng.randrange(8)
             body = bytes(flipped)
-        if fault == "stall":
-            await response.write(body[: len(body) // 2])
+        cut = self._stall_cut(request.path, fault, len(body))
+        if cut is not None:
+            await response.write(body[:cut])
             await asyncio.sleep(self.stall_s)
-            body = body[len(body) // 2 :]
+            body = body[cut:]
         await response.write(body)
         await response.write_eof()
         return response
+
+    def _stall_cut(self, path: str, fault: str | None, length: int) -> int | None:
+        """Where the body of an answer is held for `stall_s`, if it is."""
+        if fault == "stall":
+            return length // 2
+        if self.stall_batches_after is not None and path.startswith("/v1/batch"):
+            self.counts["stalled batches"] += 1
+            return self.stall_batches_after
+        return None
 
 
 def _is_data(path: str) -> bool:

@@ -356,6 +356,28 @@ def test_opening_a_small_file_prefetches_the_files_after_it_across_directories(s
     assert spoke.stats()["block_misses"] == stats["block_misses"]
 
 
+def test_a_file_of_a_batch_reaches_its_reader_before_the_rest_of_the_batch(dataset: Path, tmp_path: Path) -> None:
+    """Each small file of a batch is checked and handed to its readers as soon as its bytes have
+    arrived: with every batch answer held for 3 s after its first file, that file reads at once."""
+    files = sorted((dataset / "small" / "dir 3").iterdir())
+    first_of_batch = files[1]  # opening files[0] asks for the files after it, in batches
+    with running_hub(dataset) as hub:
+        with running_fault_proxy(hub.url, fault_rate=0.0, stall_s=3.0,
+                                 stall_batches_after=first_of_batch.stat().st_size) as proxy:
+            with mounted_spoke(proxy.url, tmp_path, SPOKE_ARGS) as spoke:
+                mounted = [spoke.mountpoint / path.relative_to(dataset) for path in files]
+                assert mounted[0].read_bytes() == files[0].read_bytes()
+                wait_for_stats(spoke, lambda _stats: proxy.counts["stalled batches"] >= 1)
+                started = time.monotonic()
+                assert mounted[1].read_bytes() == first_of_batch.read_bytes()
+                waited_s = time.monotonic() - started
+                for path, source in zip(mounted[2:], files[2:], strict=True):
+                    assert path.read_bytes() == source.read_bytes()
+                stats = spoke.stats()
+    assert waited_s < 1.5, f"the first file of a held batch took {waited_s:.1f} s"
+    assert stats["block_misses"] <= 1 and stats["fetch_failures"] == 0
+
+
 def test_files_fetched_ahead_reach_their_first_reader_from_memory(spoke: SpokeMount, dataset: Path) -> None:
     """Small files fetched ahead with a sibling are held in memory until read: with the
     cache's data files out of the page cache, reading them reads nothing back from disk."""

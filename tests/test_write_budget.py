@@ -1,0 +1,52 @@
+"""The bound on fetched bytes waiting for the cache writer (fetcher._ByteBudget)."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from cachefs.fetcher import _ByteBudget
+
+
+@pytest.mark.trio
+async def test_takers_wait_for_room_and_get_it_when_bytes_come_back() -> None:
+    budget = _ByteBudget(100)
+    await budget.take(60)
+    await budget.take(40)  # exactly full
+    taken: list[int] = []
+
+    async def taker(size: int) -> None:
+        await budget.take(size)
+        taken.append(size)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(taker, 30)
+        await trio.testing.wait_all_tasks_blocked()
+        assert taken == []  # no room
+        budget.give_back(20)
+        await trio.testing.wait_all_tasks_blocked()
+        assert taken == []  # 20 free, 30 wanted
+        budget.give_back(40)
+    assert taken == [30]
+
+
+@pytest.mark.trio
+async def test_a_taker_larger_than_the_limit_waits_until_nothing_is_taken() -> None:
+    budget = _ByteBudget(100)
+    await budget.take(10)
+    taken = trio.Event()
+
+    async def large() -> None:
+        await budget.take(500)
+        taken.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(large)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not taken.is_set()
+        budget.give_back(10)
+    assert taken.is_set()
+    with trio.move_on_after(0.2) as scope:  # and then it alone holds the budget
+        await budget.take(1)
+    assert scope.cancelled_caught
