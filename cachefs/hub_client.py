@@ -62,7 +62,10 @@ class _Connection:
             self.h11.receive_data(chunk)
 
     async def read_body_into(
-        self, buffers: list[bytearray], read_timeout_s: float, on_filled: Callable[[int], None] | None = None
+        self,
+        buffers: list[bytearray],
+        read_timeout_s: float,
+        on_filled: Callable[[int, bytearray], None] | None = None,
     ) -> int:
         """Read a Content-Length body straight into `buffers`, in order; returns the bytes read.
 
@@ -70,7 +73,7 @@ class _Connection:
         is copied out, the rest goes from the socket into the buffers with
         recv_into. This saves three copies per block, the client's main cost.
         Afterwards the connection gets a fresh h11 state for the next request.
-        `on_filled(i)` is called as soon as buffer i is full (it may raise, which
+        `on_filled(i, buffer)` is called as soon as buffer i is full (it may raise, which
         aborts the read).
         """
         self._body_bypassed = True
@@ -96,7 +99,7 @@ class _Connection:
                 filled += received
             total += filled
             if on_filled is not None:
-                on_filled(index)
+                on_filled(index, buffer)
         if buffered:
             raise HubProtocolError("hub sent more body than its Content-Length")
         return total
@@ -254,9 +257,8 @@ class HubClient:
 
         `on_piece(i, piece)` gets each piece as soon as it is complete."""
         pieces = [bytearray(piece_length) for piece_length in lengths]
-        on_filled = None if on_piece is None else lambda index: on_piece(index, pieces[index])
         try:
-            received = await conn.read_body_into(pieces, self._read_timeout_s, on_filled)
+            received = await conn.read_body_into(pieces, self._read_timeout_s, on_piece)
         except OSError as exc:
             raise HubUnavailable(f"connection to hub {self.url} failed: {exc}") from None
         if received != sum(lengths):
