@@ -19,6 +19,7 @@ from typing import Any
 import h11
 import trio
 
+from .buffers import unfilled_buffer
 from .config import HubURL
 from .errors import BatchUnsupported, HubProtocolError, HubStatusError, HubTLSError, HubUnavailable, RemoteFileChanged
 
@@ -256,7 +257,7 @@ class HubClient:
         """The body, received straight into one buffer per piece; exactly sum(lengths) bytes or an error.
 
         `on_piece(i, piece)` gets each piece as soon as it is complete."""
-        pieces = [bytearray(piece_length) for piece_length in lengths]
+        pieces = [unfilled_buffer(piece_length) for piece_length in lengths]  # handed on only once filled
         try:
             received = await conn.read_body_into(pieces, self._read_timeout_s, on_piece)
         except OSError as exc:

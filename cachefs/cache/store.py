@@ -21,6 +21,7 @@ import os
 import shutil
 from pathlib import Path
 
+from ..buffers import unfilled_buffer
 from .keys import BlockData, BlockKey
 
 log = logging.getLogger(__name__)
@@ -29,13 +30,6 @@ _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-# A bytearray whose bytes are not zeroed first (the C API's constructor with no
-# source): `bytearray(n)` memsets it, ~9 % of the daemon's CPU on a warm
-# sequential read, before preadv overwrites every byte. Only ever handed on
-# once a read has filled it whole.
-_new_bytearray = ctypes.pythonapi.PyByteArray_FromStringAndSize
-_new_bytearray.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
-_new_bytearray.restype = ctypes.py_object
 
 
 def _punch_hole(fd: int, offset: int, length: int) -> None:
@@ -72,7 +66,7 @@ class BlockStore:
         offset = key.blockno * self.block_size + start
         try:
             if nowait:
-                buffer = _new_bytearray(None, length)
+                buffer = unfilled_buffer(length)  # filled whole, or dropped
                 if os.preadv(fd, [buffer], offset, os.RWF_NOWAIT) != length:
                     raise BlockingIOError(errno.EAGAIN, "partly on disk only")
                 return buffer
