@@ -13,6 +13,7 @@ against the checksums in its entry, so a torn write is never served.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import errno
@@ -28,8 +29,22 @@ log = logging.getLogger(__name__)
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
+_SYNC_FILE_RANGE_WRITE = 0x02
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+# Every this many bytes written to one data file, their writeback starts
+# (sync_file_range, not waited for), as databases do with "bytes_per_sync":
+# a cold read of large files otherwise leaves gigabytes of dirty page cache
+# on a training node, written back 30 s later (the kernel's dirty_expire) in
+# whatever runs then. Measured: a cold read of 20,000 small files right after
+# one of 2 GiB of shards ran at 66-67 MB/s with that writeback pending, 77-78
+# MB/s without. Small files never get this far and are left to the kernel:
+# starting each one's writeback would cost the cache writer's thread, which
+# paces a cold read of small files, a block allocation per file.
+WRITEBACK_EVERY_BYTES = 4 * 1024 * 1024
+# Data files whose unsynced bytes are counted (the most recently written).
+WRITEBACK_FILES_TRACKED = 1024
 
 
 def _punch_hole(fd: int, offset: int, length: int) -> None:
@@ -46,6 +61,8 @@ class BlockStore:
         self.block_size = block_size
         self.data_dir.mkdir(mode=0o700, exist_ok=True)
         self._data_dir = str(self.data_dir)
+        # Data file -> (first offset, end, bytes) written since its writeback last started.
+        self._unsynced: collections.OrderedDict[str, tuple[int, int, int]] = collections.OrderedDict()
 
     def path(self, file_id: bytes, version: bytes) -> str:
         """The data file of a file version (a str: pathlib's joins cost ~5 % of a warm read)."""
@@ -87,12 +104,25 @@ class BlockStore:
             written = os.pwrite(fd, data, key.blockno * self.block_size)
             if written != len(data):
                 raise OSError(errno.ENOSPC, f"short write of {key}")
+            self._count_unsynced(path, fd, key.blockno * self.block_size, written)
         except OSError:
             with contextlib.suppress(OSError):  # give back what a partial write took
                 _punch_hole(fd, key.blockno * self.block_size, self.block_size)
             raise
         finally:
             os.close(fd)
+
+    def _count_unsynced(self, path: str, fd: int, offset: int, length: int) -> None:
+        """Add a write to its file's unsynced bytes; every WRITEBACK_EVERY_BYTES, start their writeback."""
+        first, end, total = self._unsynced.pop(path, (offset, offset + length, 0))
+        first, end, total = min(first, offset), max(end, offset + length), total + length
+        if total < WRITEBACK_EVERY_BYTES:
+            self._unsynced[path] = (first, end, total)
+            while len(self._unsynced) > WRITEBACK_FILES_TRACKED:
+                self._unsynced.popitem(last=False)  # left to the kernel
+            return
+        if _libc.sync_file_range(fd, first, end - first, _SYNC_FILE_RANGE_WRITE) != 0:
+            log.debug("cannot start the writeback of %s: %s", path, os.strerror(ctypes.get_errno()))
 
     def delete(self, key: BlockKey) -> None:
         """Drop a block's bytes from disk (a hole in its data file)."""
