@@ -373,8 +373,7 @@ class Fetcher:
             self._hand_over(keys[index], flights[index], piece, self._hold_unread)
 
         files = [(key.file_id.hex(), key.version.hex()) for key in keys]
-        pieces, _sums = await self._client.get_batch(files, lengths, self._block_size, arrived)
-        return pieces
+        return await self._client.get_batch(files, lengths, self._block_size, arrived)
 
     def _first_mismatch(self, pieces: list[bytearray], expected: Sequence[int]) -> int | None:
         """The index of the first piece whose xxh3 is not the hub's (counted as an integrity failure), or None."""

@@ -219,14 +219,15 @@ class HubClient:
         files: Sequence[tuple[str, str]],
         lengths: Sequence[int],
         block_size: int,
-        on_file: Callable[[int, bytearray, int], None] | None = None,
-    ) -> tuple[list[bytearray], list[int]]:
+        on_file: Callable[[int, bytearray, int], None],
+    ) -> list[bytearray]:
         """Whole small files (id, version), each at most one block, in one request (hubserver/batch.py).
 
-        Returns their bytes (`lengths`, from the manifest) and the hub's
-        checksum of each. RemoteFileChanged if any of them is not the hub's
-        current version. `on_file(i, bytes, checksum)` gets each file as soon
-        as it has arrived, before the rest of the answer.
+        Returns their bytes (`lengths`, from the manifest). `on_file(i, bytes,
+        checksum)` gets each file with the hub's checksum of it as soon as it
+        has arrived, before the rest of the answer (it may raise, which ends
+        the request). RemoteFileChanged if any of them is not the hub's
+        current version.
         """
         names = ",".join(f"{file_id}.{version}" for file_id, version in files)
         async with self._request(f"/v1/batch?bs={block_size}&f={names}") as (response, conn):
@@ -243,9 +244,9 @@ class HubClient:
             if BATCH_SUMS_HEADER not in response.headers:
                 raise BatchUnsupported(f"a batch answer came without its {BATCH_SUMS_HEADER.decode()} header")
             sums = _parse_batch_sums(response.headers[BATCH_SUMS_HEADER], len(files))
-            on_piece = None if on_file is None else lambda index, piece: on_file(index, piece, sums[index])
-            pieces = await self._read_pieces(conn, lengths, f"a batch of {len(files)} files", on_piece)
-        return pieces, sums
+            return await self._read_pieces(
+                conn, lengths, f"a batch of {len(files)} files", lambda index, piece: on_file(index, piece, sums[index])
+            )
 
     async def _read_pieces(
         self,
