@@ -38,10 +38,11 @@ _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, 
 # a cold read of large files otherwise leaves gigabytes of dirty page cache
 # on a training node, written back 30 s later (the kernel's dirty_expire) in
 # whatever runs then. Measured: a cold read of 20,000 small files right after
-# one of 2 GiB of shards ran at 66-67 MB/s with that writeback pending, 77-78
-# MB/s without. Small files never get this far and are left to the kernel:
-# starting each one's writeback would cost the cache writer's thread, which
-# paces a cold read of small files, a block allocation per file.
+# one of 2 GiB of shards ran at 61-67 MB/s with that writeback pending, 65-78
+# MB/s without (README: what it costs the shards' read). Small files never get
+# this far and are left to the kernel: starting each one's writeback would
+# cost the cache writer's thread, which paces a cold read of small files, a
+# block allocation per file.
 WRITEBACK_EVERY_BYTES = 4 * 1024 * 1024
 # Data files whose unsynced bytes are counted (the most recently written).
 WRITEBACK_FILES_TRACKED = 1024
