@@ -112,7 +112,8 @@ class OpenFile:
     stream_start: int = 0  # offset where the current run of sequential reads began
     window_blocks: int = 0
     prefetched_until: int = 0  # first block not yet asked for by read-ahead
-    next_file_asked: bool = False  # the window reached the end: the next file's head was asked for
+    next_file_asked: bool = False  # the window reached the end: the next file was looked for
+    next_file: OpenFile | None = None  # that file, whose head the window runs on into
     closed: bool = False
 
 
@@ -128,6 +129,11 @@ class _ReaderFiles:
     last: Inode  # the last of them
     step: int  # files from the one before to it, in one directory (0: none, or another directory)
     stride: int  # the step seen twice in a row, else 1: how far ahead its next file is
+
+    @property
+    def on_course(self) -> bool:
+        """Whether its last move went as far as its stride: then its next file is a good bet."""
+        return self.step >= 1 and self.step == self.stride
 
 
 class ReadAhead:
@@ -198,8 +204,7 @@ class ReadAhead:
             # The reader is consuming what was read ahead: it keeps up, so grow.
             handle.window_blocks = min(handle.window_blocks * 2, self._max_window_blocks)
         overflow = last_block + 1 + handle.window_blocks - handle.inode.block_count(self.block_size)
-        if overflow > 0 and not handle.next_file_asked:
-            handle.next_file_asked = True
+        if overflow > 0:
             self._read_ahead_next_file(handle, overflow)
         target = min(last_block + 1 + handle.window_blocks, handle.inode.block_count(self.block_size))
         start = max(last_block + 1, handle.prefetched_until)
@@ -217,21 +222,40 @@ class ReadAhead:
 
     def _read_ahead_next_file(self, handle: OpenFile, blocks: int) -> None:
         """A sequential reader near the end of a large file: ask for the head of the
-        large file it will read next, so the link does not drain and ramp up again at
-        every file boundary. That is the next file in tree order (shards streamed one
-        after the other), or every k-th one for a reader seen to go k files at a time
-        (a rank of a job that shares shards out round robin)."""
+        large file it will read next, so the link does not drain and ramp up again
+        at every file boundary. That is the next file in tree order (shards
+        streamed one after the other), or every k-th one for a reader seen to go k
+        files at a time (a rank of a job that shares shards out round robin). If
+        the reader's last move between files went that way too, its window runs on
+        into that file: `blocks` blocks of it; else only its first run is asked
+        for (readers taking files from a shared queue move irregularly)."""
+        if not handle.next_file_asked:
+            handle.next_file_asked = True
+            handle.next_file = self._next_file(handle)
+        head = handle.next_file
+        if head is None:
+            return
+        reader = self._readers.get(handle.reader)
+        if reader is None or not reader.on_course:
+            blocks = COALESCE_BLOCKS
+        stop = min(max(blocks, COALESCE_BLOCKS), head.inode.block_count(self.block_size))
+        if stop - head.prefetched_until < COALESCE_BLOCKS:
+            return  # asked in whole runs, as the window is
+        for run_start in range(head.prefetched_until, stop, COALESCE_BLOCKS):
+            self._start_prefetch(head, run_start, min(run_start + COALESCE_BLOCKS, stop))
+        head.prefetched_until = stop
+
+    def _next_file(self, handle: OpenFile) -> OpenFile | None:
+        """The large file the handle's reader will read next (see _read_ahead_next_file), if any."""
         reader = self._readers.get(handle.reader)
         stride = reader.stride if reader is not None else 1
         following = self._namespace.files_after(handle.inode, stride)
         if len(following) < stride:
-            return
+            return None
         target = following[stride - 1]
-        if target.size > self.block_size * COALESCE_BLOCKS and not self._planned(target):
-            head = OpenFile(target)
-            stop = min(max(blocks, COALESCE_BLOCKS), target.block_count(self.block_size))
-            for run_start in range(0, stop, COALESCE_BLOCKS):
-                self._start_prefetch(head, run_start, min(run_start + COALESCE_BLOCKS, stop))
+        if target.size <= self.block_size * COALESCE_BLOCKS or self._planned(target):
+            return None
+        return OpenFile(target)
 
     def _note_stream_start(self, handle: OpenFile) -> None:
         """A reader started reading a file from its first byte: learn how many files it

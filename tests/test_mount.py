@@ -536,6 +536,33 @@ def test_read_ahead_follows_a_reader_that_takes_every_other_file(tmp_path: Path)
     assert f"/v1/files/{ids['shards/part-5.bin']}?" not in hub.stderr_text()
 
 
+def test_read_ahead_runs_on_into_the_next_file_of_a_reader_on_course(tmp_path: Path) -> None:
+    """A reader that streamed file 0 and then file 1 to its end has its read-ahead
+    window (grown to 64 blocks) run on into file 2: its first 64 blocks are cached
+    and read with the hub gone. After file 0 alone (no move between files seen
+    yet) only file 1's first run of 4 blocks is asked for."""
+    blocks = 96
+    root, sources = _write_shards(tmp_path / "data", 3, blocks)
+
+    def stream(mountpoint: Path, index: int) -> bytes:
+        fd = os.open(mountpoint / "shards" / f"part-{index}.bin", os.O_RDONLY | os.O_DIRECT)
+        try:  # block by block: each read reaches the daemon, and the window grows
+            return b"".join(os.pread(fd, TEST_BLOCK_SIZE, block * TEST_BLOCK_SIZE) for block in range(blocks))
+        finally:
+            os.close(fd)
+
+    with running_hub(root) as hub, mounted_spoke(hub.url, tmp_path, SPOKE_ARGS) as spoke:
+        assert stream(spoke.mountpoint, 0) == sources[0]
+        wait_for_stats(spoke, lambda stats: stats["cached_bytes"] >= (blocks + 4) * TEST_BLOCK_SIZE)
+        time.sleep(0.5)
+        assert spoke.stats()["cached_bytes"] == (blocks + 4) * TEST_BLOCK_SIZE
+        assert stream(spoke.mountpoint, 1) == sources[1]
+        wait_for_stats(spoke, lambda stats: stats["cached_bytes"] >= (2 * blocks + 64) * TEST_BLOCK_SIZE)
+        hub.stop()
+        head = 64 * TEST_BLOCK_SIZE
+        assert read_uncached(spoke.mountpoint / "shards" / "part-2.bin", 0, head) == sources[2][:head]
+
+
 def test_sibling_prefetch_asks_for_at_most_16_mib(tmp_path: Path) -> None:
     """Opening one small file prefetches the files after it, but not more than 16 MiB of them."""
     root = tmp_path / "data"
