@@ -211,9 +211,7 @@ class ReadAhead:
         # Ask in whole runs, as soon as a run's worth of the window is free.
         if target - start < min(COALESCE_BLOCKS, handle.window_blocks):
             return
-        for run_start in range(start, target, COALESCE_BLOCKS):
-            self._start_prefetch(handle, run_start, min(run_start + COALESCE_BLOCKS, target))
-        handle.prefetched_until = target
+        self._ask_runs(handle, start, target)
 
     def _continues(self, handle: OpenFile, offset: int) -> bool:
         """Whether a read at `offset` continues the handle's sequential run (with slack once it is a stream)."""
@@ -241,9 +239,14 @@ class ReadAhead:
         stop = min(max(blocks, COALESCE_BLOCKS), head.inode.block_count(self.block_size))
         if stop - head.prefetched_until < COALESCE_BLOCKS:
             return  # asked in whole runs, as the window is
-        for run_start in range(head.prefetched_until, stop, COALESCE_BLOCKS):
-            self._start_prefetch(head, run_start, min(run_start + COALESCE_BLOCKS, stop))
-        head.prefetched_until = stop
+        self._ask_runs(head, head.prefetched_until, stop)
+
+    def _ask_runs(self, handle: OpenFile, start: int, stop: int) -> None:
+        """Queue read-ahead of the handle's blocks [start, stop) in runs of COALESCE_BLOCKS;
+        the handle has then asked for everything before `stop`."""
+        for run_start in range(start, stop, COALESCE_BLOCKS):
+            self._start_prefetch(handle, run_start, min(run_start + COALESCE_BLOCKS, stop))
+        handle.prefetched_until = stop
 
     def _next_file(self, handle: OpenFile) -> OpenFile | None:
         """The large file the handle's reader will read next (see _read_ahead_next_file), if any."""
