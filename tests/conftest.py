@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,3 +36,17 @@ def spoke(hub: HubProcess, tmp_path: Path) -> Iterator[SpokeMount]:
     """A fresh mount with an empty cache, 64 KiB blocks."""
     with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS) as mount:
         yield mount
+
+
+@pytest.fixture
+def ramfs_dir(tmp_path: Path) -> Iterator[Path]:
+    """A ramfs mount: a file system that refuses O_DIRECT and RWF_NOWAIT reads (needs root, as CI has)."""
+    if os.geteuid() != 0:
+        pytest.fail("mounting a ramfs needs root")
+    mountpoint = tmp_path / "ramfs"
+    mountpoint.mkdir()
+    subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mountpoint)], check=True)
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", str(mountpoint)], check=True)

@@ -8,8 +8,6 @@ import ctypes
 import logging
 import os
 import random
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -82,20 +80,6 @@ def test_a_rewritten_block_replaces_cached_pages(tmp_path: Path) -> None:
     assert store.read(key, 0, BLOCK) == bytes(BLOCK)  # the hole reads as zeros (now in the page cache)
     store.write(key, b"\x02" * BLOCK)
     assert store.read(key, 0, BLOCK) == b"\x02" * BLOCK
-
-
-@pytest.fixture
-def ramfs_dir(tmp_path: Path) -> Iterator[Path]:
-    """A ramfs mount: a file system that refuses O_DIRECT (needs root, as CI has)."""
-    if os.geteuid() != 0:
-        pytest.fail("mounting a ramfs needs root")
-    mountpoint = tmp_path / "ramfs"
-    mountpoint.mkdir()
-    subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mountpoint)], check=True)
-    try:
-        yield mountpoint
-    finally:
-        subprocess.run(["umount", str(mountpoint)], check=True)
 
 
 def test_a_file_system_without_o_direct_gets_page_cache_writes(ramfs_dir: Path, caplog: pytest.LogCaptureFixture) -> None:

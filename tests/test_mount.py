@@ -320,6 +320,33 @@ def test_cached_bytes_read_back_from_disk(hub, dataset: Path, tmp_path: Path) ->
         assert whole["fetches"] == 0
 
 
+def test_a_cache_on_a_file_system_that_refuses_nowait_reads_serves_its_blocks(
+    hub, dataset: Path, tmp_path: Path, ramfs_dir: Path
+) -> None:
+    """ramfs and tmpfs answer RWF_NOWAIT reads with EOPNOTSUPP: cached blocks are then read
+    in worker threads, never dropped as corrupt and fetched again."""
+    cache_dir = ramfs_dir / "cache"
+    relative = "shards/shard-000.bin"  # 3 MiB: three 1 MiB blocks
+    source = (dataset / relative).read_bytes()
+    args = ("--fetch-timeout", "5", "--prefetch-siblings", "0")
+    with mounted_spoke(hub.url, tmp_path, args, cache_dir=cache_dir) as spoke:
+        assert (spoke.mountpoint / relative).read_bytes() == source
+        wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == len(source))
+    with mounted_spoke(hub.url, tmp_path, args, cache_dir=cache_dir) as spoke:  # nothing in its memory
+        path = spoke.mountpoint / relative
+        assert read_uncached(path) == source
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)  # small reads: only their chunks
+        try:
+            for offset in (4096, len(source) // 2, len(source) - 8192):
+                assert os.pread(fd, 4096, offset) == source[offset : offset + 4096], offset
+        finally:
+            os.close(fd)
+        stats = spoke.stats()
+        assert stats["corrupt_blocks"] == 0
+        assert stats["fetches"] == 0
+        assert "cannot read without waiting" in spoke.log_text()
+
+
 def test_small_files_come_in_batches(dataset: Path, tmp_path: Path) -> None:
     """Reading a directory of small files costs a few batch requests, not one request per file,
     and each file's checksum comes with it (no checksum requests)."""

@@ -67,6 +67,7 @@ class BlockStore:
         self.data_dir.mkdir(mode=0o700, exist_ok=True)
         self._data_dir = str(self.data_dir)
         self._direct = True  # whole blocks are written with O_DIRECT while the file system allows it
+        self._nowait = True  # whether the file system answers RWF_NOWAIT reads (tmpfs and ramfs do not)
         self._aligned = mmap.mmap(-1, DIRECT_CHUNK_BYTES)  # page-aligned, as O_DIRECT needs
         self._aligned_lock = threading.Lock()
 
@@ -81,7 +82,11 @@ class BlockStore:
         With `nowait`, only bytes already in the page cache are read: if any
         of them would need the disk, BlockingIOError is raised instead
         (preadv2 RWF_NOWAIT), so the caller can read them in a worker thread.
+        On a file system that cannot tell (EOPNOTSUPP: tmpfs, ramfs), every
+        `nowait` read raises BlockingIOError.
         """
+        if nowait and not self._nowait:
+            raise BlockingIOError(errno.EAGAIN, "the file system cannot read without waiting")
         try:
             fd = os.open(self.path(key.file_id, key.version), os.O_RDONLY)
         except FileNotFoundError:
@@ -89,14 +94,26 @@ class BlockStore:
         offset = key.blockno * self.block_size + start
         try:
             if nowait:
-                buffer = unfilled_buffer(length)  # filled whole, or dropped
-                if os.preadv(fd, [buffer], offset, os.RWF_NOWAIT) != length:
-                    raise BlockingIOError(errno.EAGAIN, "partly on disk only")
-                return buffer
+                return self._read_nowait(fd, offset, length)
             data = os.pread(fd, length, offset)
         finally:
             os.close(fd)
         return data if len(data) == length else None
+
+    def _read_nowait(self, fd: int, offset: int, length: int) -> bytearray:
+        """`length` bytes at `offset` if all are in the page cache, else BlockingIOError."""
+        buffer = unfilled_buffer(length)  # filled whole, or dropped
+        try:
+            done = os.preadv(fd, [buffer], offset, os.RWF_NOWAIT)
+        except OSError as exc:
+            if exc.errno != errno.EOPNOTSUPP:
+                raise
+            log.info("the cache's file system cannot read without waiting (%s): cached blocks are read in worker threads", exc)
+            self._nowait = False
+            raise BlockingIOError(errno.EAGAIN, "the file system cannot read without waiting") from None
+        if done != length:
+            raise BlockingIOError(errno.EAGAIN, "partly on disk only")
+        return buffer
 
     def write(self, key: BlockKey, data: BlockData) -> None:
         """Write a block in place (raises OSError, e.g. ENOSPC)."""
