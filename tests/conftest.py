@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -38,15 +39,28 @@ def spoke(hub: HubProcess, tmp_path: Path) -> Iterator[SpokeMount]:
         yield mount
 
 
-@pytest.fixture
-def ramfs_dir(tmp_path: Path) -> Iterator[Path]:
-    """A ramfs mount: a file system that refuses O_DIRECT and RWF_NOWAIT reads (needs root, as CI has)."""
+@contextlib.contextmanager
+def mounted_memory_fs(kind: str, mountpoint: Path) -> Iterator[Path]:
+    """A ramfs or tmpfs mounted on `mountpoint` (needs root, as CI has), unmounted after."""
     if os.geteuid() != 0:
-        pytest.fail("mounting a ramfs needs root")
-    mountpoint = tmp_path / "ramfs"
+        pytest.fail(f"mounting a {kind} needs root")
     mountpoint.mkdir()
-    subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mountpoint)], check=True)
+    subprocess.run(["mount", "-t", kind, kind, str(mountpoint)], check=True)
     try:
         yield mountpoint
     finally:
         subprocess.run(["umount", str(mountpoint)], check=True)
+
+
+@pytest.fixture
+def ramfs_dir(tmp_path: Path) -> Iterator[Path]:
+    """A ramfs: refuses O_DIRECT, RWF_NOWAIT reads and punching holes."""
+    with mounted_memory_fs("ramfs", tmp_path / "ramfs") as mountpoint:
+        yield mountpoint
+
+
+@pytest.fixture
+def tmpfs_dir(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs: refuses RWF_NOWAIT reads (Linux 6.18), punches holes."""
+    with mounted_memory_fs("tmpfs", tmp_path / "tmpfs") as mountpoint:
+        yield mountpoint

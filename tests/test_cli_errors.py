@@ -82,6 +82,20 @@ def test_cache_dir_not_usable(hub, tmp_path: Path) -> None:
     assert_clean_failure(result, "not writable")
 
 
+def test_cache_dir_that_cannot_free_space(hub, tmp_path: Path, ramfs_dir: Path) -> None:
+    """ramfs cannot punch holes: evicted blocks would keep their memory, so the mount is refused."""
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    try:
+        result = run_cachefs("mount", hub.url, mountpoint, "--cache-dir", ramfs_dir / "cache")
+        assert_clean_failure(result, "cannot free part of a file", "use a disk or tmpfs")
+        assert not is_mounted(mountpoint)
+    finally:
+        if is_mounted(mountpoint):  # the test failed: leave nothing mounted on the ramfs
+            run_cachefs("unmount", mountpoint)
+    assert [path.name for path in ramfs_dir.joinpath("cache").iterdir()] == []  # no probe left behind
+
+
 @pytest.mark.parametrize(
     "option, value", [("--cache-size", "ten gigs"), ("--cache-size", "-5G"), ("--block-size", "1000"), ("--block-size", "1G")]
 )

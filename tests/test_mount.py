@@ -321,11 +321,11 @@ def test_cached_bytes_read_back_from_disk(hub, dataset: Path, tmp_path: Path) ->
 
 
 def test_a_cache_on_a_file_system_that_refuses_nowait_reads_serves_its_blocks(
-    hub, dataset: Path, tmp_path: Path, ramfs_dir: Path
+    hub, dataset: Path, tmp_path: Path, tmpfs_dir: Path
 ) -> None:
-    """ramfs and tmpfs answer RWF_NOWAIT reads with EOPNOTSUPP: cached blocks are then read
+    """tmpfs answers RWF_NOWAIT reads with EOPNOTSUPP: cached blocks are then read
     in worker threads, never dropped as corrupt and fetched again."""
-    cache_dir = ramfs_dir / "cache"
+    cache_dir = tmpfs_dir / "cache"
     relative = "shards/shard-000.bin"  # 3 MiB: three 1 MiB blocks
     source = (dataset / relative).read_bytes()
     args = ("--fetch-timeout", "5", "--prefetch-siblings", "0")

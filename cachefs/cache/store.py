@@ -58,6 +58,19 @@ def _punch_hole(fd: int, offset: int, length: int) -> None:
         raise OSError(code, os.strerror(code))
 
 
+def check_frees_space(directory: Path) -> None:
+    """Raise OSError unless a file in `directory` can give back part of its space
+    (fallocate punch hole), which every eviction needs: ramfs cannot (EOPNOTSUPP)."""
+    probe = directory / f".punch-test.{os.getpid()}"
+    fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.pwrite(fd, bytes(2 * DIRECT_ALIGN), 0)
+        _punch_hole(fd, 0, DIRECT_ALIGN)
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
+
+
 class BlockStore:
     """Read, write and drop blocks in per-file sparse data files."""
 
