@@ -31,7 +31,7 @@ from types import FrameType
 from typing import Any
 
 from ..config import parse_size
-from . import report, targets
+from . import report, side_by_side, targets
 from .dataset import FULL_SPEC, QUICK_SPEC, DatasetSpec, build_dataset
 from .harness import LINKS, PEERS, Bench, RunConfig
 from .plot import plot_loader
@@ -135,6 +135,17 @@ def checkout_state() -> dict[str, Any] | None:
 # -- output -----------------------------------------------------------------------------------
 
 
+def side_by_side_section(scenarios: list[dict[str, Any]]) -> str:
+    """The table of warm reads alternated with local ones, and what it means (empty if none ran)."""
+    table = report.side_by_side_table(scenarios)
+    if not table:
+        return ""
+    return (f"{table}\n\nEach warm cachefs run also reads the seq1 and seq4 files {side_by_side.ROUNDS} times more, "
+            "alternating with the same reads from the local disk, the page cache dropped before each: median "
+            "(range) MB/s. The warm targets are judged on these medians: a virtual machine's disk can read the same "
+            "files at very different speeds minutes apart.\n")
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The report printed on stdout and meant for the README."""
     spec = results["dataset"]
@@ -155,6 +166,7 @@ def markdown(results: dict[str, Any]) -> str:
         "bytes the spoke fetched). CPU s/GB: daemon CPU time per GB read by the workloads. * = cut short by its "
         "time limit, ! = some reads failed.",
         "",
+        side_by_side_section(results["scenarios"]),
         report.targets_table(results["targets"]),
         "",
         report.ceilings_table(results["link_ceilings"]),

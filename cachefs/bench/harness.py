@@ -35,6 +35,7 @@ from .processes import (
     start_server,
     wan_bytes_from_summary,
 )
+from .side_by_side import alternate
 from .targets import PASSTHROUGH_STATE
 from .workloads import find_dataset, sequential_read, small_read_all
 
@@ -299,6 +300,9 @@ class Bench:
                 "bytes_read": bytes_read(results),
             }
             record["resources"]["fetched_bytes"] = _fetched_bytes(results)
+            if scenario.system == "cachefs" and scenario.state in ("warm", PASSTHROUGH_STATE):
+                record["side_by_side"] = alternate(self.config.data_dir, mount.mountpoint,
+                                                   self.config.budget.time_limit_s)
         finally:
             mount.unmount()
         return record

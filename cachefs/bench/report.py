@@ -156,6 +156,34 @@ def scenarios_table(scenarios: Sequence[dict[str, Any]]) -> str:
     return _table(SCENARIO_HEADER, [scenario_row(scenario) for scenario in scenarios])
 
 
+def side_by_side_table(scenarios: Sequence[dict[str, Any]]) -> str:
+    """Warm sequential reads alternated with local ones (side_by_side.py): medians and ranges, MB/s."""
+    rows = []
+    for scenario in scenarios:
+        paired = scenario.get("side_by_side")
+        if not paired:
+            continue
+        cells = [scenario["name"]]
+        for name in ("seq1", "seq4"):
+            sides = paired.get(name)
+            if not sides:
+                cells += ["–", "–", "–"]
+                continue
+            local, mount = sides["local"], sides["mount"]
+            cells += [_median_and_range(local), _median_and_range(mount),
+                      f"{100 * mount['median'] / local['median']:.0f} %" if local["median"] else "–"]
+        rows.append(cells)
+    if not rows:
+        return ""
+    header = ["warm run, side by side with local", "local 1T", "mount 1T", "share 1T", "local 4T", "mount 4T", "share 4T"]
+    return _table(header, rows)
+
+
+def _median_and_range(side: dict[str, Any]) -> str:
+    rates = side["mb_per_s"]
+    return f"{_fmt(side['median'])} ({_fmt(min(rates))}-{_fmt(max(rates))})"
+
+
 def targets_table(targets: Sequence[dict[str, Any]]) -> str:
     rows = [[target["target"], target["measured"], {True: "yes", False: "**no**", None: "n/a"}[target["met"]]]
             for target in targets]

@@ -32,6 +32,8 @@ def _seq_target(label: str, scenario: dict[str, Any] | None, check: Callable[[fl
 
     `check(mb_per_s, local_mb_per_s)` decides one of them.
     """
+    if scenario is not None and local is not None and "side_by_side" in scenario:
+        return _side_by_side_target(label, scenario["side_by_side"], check)
     parts: list[str] = []
     verdicts: list[bool] = []
     for name, threads in (("seq1", "1 thread"), ("seq4", "4 threads")):
@@ -45,6 +47,21 @@ def _seq_target(label: str, scenario: dict[str, Any] | None, check: Callable[[fl
         parts.append(f"{threads}: {mb_per_s:,.0f} MB/s{share}")
         verdicts.append(check(mb_per_s, local_mb_per_s))
     return {"target": label, "measured": "; ".join(parts) or "not measured", "met": all(verdicts) if verdicts else None}
+
+
+def _side_by_side_target(label: str, paired: dict[str, Any], check: Callable[[float, float | None], bool]) -> dict[str, Any]:
+    """The warm row from reads alternated with local ones (side_by_side.py): medians of each side."""
+    parts: list[str] = []
+    verdicts: list[bool] = []
+    for name, threads in (("seq1", "1 thread"), ("seq4", "4 threads")):
+        if name not in paired:
+            continue
+        mount, local = paired[name]["mount"]["median"], paired[name]["local"]["median"]
+        parts.append(f"{threads}: {mount:,.0f} MB/s = {100 * mount / local:.0f} % of local's {local:,.0f}"
+                     if local else f"{threads}: {mount:,.0f} MB/s")
+        verdicts.append(check(mount, local or None))
+    measured = "; ".join(parts) + f" (medians of {paired['rounds']} rounds alternated with local reads)"
+    return {"target": label, "measured": measured if parts else "not measured", "met": all(verdicts) if verdicts else None}
 
 
 def _warm_check(mb_per_s: float, local_mb_per_s: float | None) -> bool:
