@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
 import stat
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import lmdb
@@ -284,20 +286,29 @@ def test_small_reads_verify_the_chunks_they_read(hub, dataset: Path, tmp_path: P
         assert read_uncached(path) == source
 
 
+@contextlib.contextmanager
+def remounted_with_shard_cached(
+    url: str, dataset: Path, tmp_path: Path, cache_dir: Path
+) -> Iterator[tuple[SpokeMount, Path, bytes]]:
+    """Cache a 3 MiB shard (three 1 MiB blocks) through one mount, then yield a fresh mount of
+    the same cache dir (nothing in its memory), the shard's path in it and the source's bytes."""
+    relative = "shards/shard-000.bin"
+    source = (dataset / relative).read_bytes()
+    args = ("--fetch-timeout", "5", "--prefetch-siblings", "0")
+    with mounted_spoke(url, tmp_path, args, cache_dir=cache_dir) as spoke:
+        assert (spoke.mountpoint / relative).read_bytes() == source
+        wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == len(source))
+    with mounted_spoke(url, tmp_path, args, cache_dir=cache_dir) as spoke:
+        yield spoke, spoke.mountpoint / relative, source
+
+
 def test_cached_bytes_read_back_from_disk(hub, dataset: Path, tmp_path: Path) -> None:
     """With the cache's data files out of the page cache, small reads read their
     chunks on the event loop's thread (worker threads if the disk is slow),
     whole blocks in worker threads, and all return the source's bytes without
     asking the hub again."""
     cache_dir = tmp_path / "cache"
-    relative = "shards/shard-000.bin"  # 3 MiB: three 1 MiB blocks
-    source = (dataset / relative).read_bytes()
-    args = ("--fetch-timeout", "5", "--prefetch-siblings", "0")
-    with mounted_spoke(hub.url, tmp_path, args, cache_dir=cache_dir) as spoke:
-        assert (spoke.mountpoint / relative).read_bytes() == source
-        wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == len(source))
-    with mounted_spoke(hub.url, tmp_path, args, cache_dir=cache_dir) as spoke:  # nothing in its memory
-        path = spoke.mountpoint / relative
+    with remounted_with_shard_cached(hub.url, dataset, tmp_path, cache_dir) as (spoke, path, source):
         rng = random.Random(3)
         for _ in range(40):
             evict_from_page_cache(cache_data_files(cache_dir))
@@ -326,14 +337,7 @@ def test_a_cache_on_a_file_system_that_refuses_nowait_reads_serves_its_blocks(
     """tmpfs answers RWF_NOWAIT reads with EOPNOTSUPP: cached blocks are then read
     in worker threads, never dropped as corrupt and fetched again."""
     cache_dir = tmpfs_dir / "cache"
-    relative = "shards/shard-000.bin"  # 3 MiB: three 1 MiB blocks
-    source = (dataset / relative).read_bytes()
-    args = ("--fetch-timeout", "5", "--prefetch-siblings", "0")
-    with mounted_spoke(hub.url, tmp_path, args, cache_dir=cache_dir) as spoke:
-        assert (spoke.mountpoint / relative).read_bytes() == source
-        wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == len(source))
-    with mounted_spoke(hub.url, tmp_path, args, cache_dir=cache_dir) as spoke:  # nothing in its memory
-        path = spoke.mountpoint / relative
+    with remounted_with_shard_cached(hub.url, dataset, tmp_path, cache_dir) as (spoke, path, source):
         assert read_uncached(path) == source
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)  # small reads: only their chunks
         try:
