@@ -20,7 +20,7 @@ from .cache.store import check_frees_space
 from .config import MountConfig, parse_hub_url, parse_listen, parse_size, read_token, validate_block_size
 from .config_file import ConfigFileError, with_config_file
 from .errors import CachefsError, UsageError
-from .mountpoints import lazy_unmount, prepare_mountpoint
+from .mountpoints import lazy_unmount, network_file_system, prepare_mountpoint
 
 log = logging.getLogger("cachefs")
 
@@ -167,6 +167,12 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
 
 
 def _prepare_cache_dir(path: Path) -> None:
+    remote = network_file_system(path)
+    if remote is not None:
+        raise UsageError(
+            f"cache dir {path} is on {remote}, a network file system: put the cache on a local disk "
+            "(its index is a memory-mapped database that network file systems do not keep safe)"
+        )
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:

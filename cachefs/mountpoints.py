@@ -15,6 +15,14 @@ from .errors import UsageError
 log = logging.getLogger(__name__)
 
 FSTYPE = "fuse.cachefs"
+# File systems whose files live on another machine: no place for a cache dir,
+# whose index is a memory-mapped LMDB database (LMDB: "do not use on remote
+# file systems") and whose reads should not cross a network again.
+NETWORK_FSTYPES = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "ncpfs", "afs", "9p", "ceph", "lustre", "gpfs", "beegfs",
+    "glusterfs", "fuse.glusterfs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone", "fuse.juicefs",
+    "fuse.cephfs", FSTYPE,
+})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,6 +55,23 @@ def find_mount(path: Path) -> MountInfo | None:
         if mount.mountpoint == target:
             found = mount
     return found
+
+
+def mount_of(path: Path) -> MountInfo | None:
+    """The mount that holds `path` (symlinks resolved): the topmost one at the longest mountpoint above it."""
+    target = os.path.realpath(path)
+    found = None
+    for mount in list_mounts():
+        inside = target == mount.mountpoint or target.startswith(mount.mountpoint.rstrip("/") + "/")
+        if inside and (found is None or len(mount.mountpoint) >= len(found.mountpoint)):
+            found = mount
+    return found
+
+
+def network_file_system(path: Path) -> str | None:
+    """The type of the network file system that holds `path`, None if it is local (or unknown)."""
+    mount = mount_of(path)
+    return mount.fstype if mount is not None and mount.fstype in NETWORK_FSTYPES else None
 
 
 def prepare_mountpoint(path: Path) -> Path:

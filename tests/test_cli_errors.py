@@ -12,6 +12,8 @@ import pytest
 from conftest import SPOKE_ARGS
 from mount_helpers import SpokeMount, daemon_pid, is_mounted, mounted_spoke, run_cachefs
 
+from cachefs.mountpoints import mount_of, network_file_system
+
 
 def assert_clean_failure(result, *fragments: str) -> None:
     assert result.returncode != 0, result.stdout
@@ -94,6 +96,25 @@ def test_cache_dir_that_cannot_free_space(hub, tmp_path: Path, ramfs_dir: Path) 
         if is_mounted(mountpoint):  # the test failed: leave nothing mounted on the ramfs
             run_cachefs("unmount", mountpoint)
     assert [path.name for path in ramfs_dir.joinpath("cache").iterdir()] == []  # no probe left behind
+
+
+def test_cache_dir_on_a_network_file_system(hub, tmp_path: Path) -> None:
+    """A cache dir inside another cachefs mount (a network file system, as NFS is) is refused before it is created."""
+    with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS) as spoke:
+        (tmp_path / "second").mkdir()
+        cache_dir = spoke.mountpoint / "shards" / "cache"
+        result = run_cachefs("mount", hub.url, tmp_path / "second", "--cache-dir", cache_dir, *SPOKE_ARGS)
+        assert_clean_failure(result, f"cache dir {cache_dir} is on fuse.cachefs, a network file system")
+        assert not is_mounted(tmp_path / "second")
+
+
+def test_the_mount_of_a_path_is_the_deepest_one_above_it(tmp_path: Path, tmpfs_dir: Path) -> None:
+    (tmp_path / "link").symlink_to(tmpfs_dir)
+    assert mount_of(tmpfs_dir / "not" / "there").fstype == "tmpfs"
+    assert mount_of(tmp_path / "link" / "cache").fstype == "tmpfs"  # symlinks resolved
+    assert mount_of(tmp_path).fstype != "tmpfs"
+    assert mount_of(Path("/proc/self")).fstype == "proc"
+    assert network_file_system(tmpfs_dir) is None
 
 
 @pytest.mark.parametrize(
