@@ -40,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     mount = commands.add_parser("mount", help="mount a hub's dataset (read-only)")
     mount.add_argument("hub_url", metavar="HUB_URL", help="the hub, e.g. http://hub.example:8470")
     mount.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path, help="an existing empty directory")
-    mount.add_argument("--cache-dir", required=True, type=Path, help="where cached blocks and metadata live (created 0700)")
+    mount.add_argument("--cache-dir", required=True, type=Path,
+                       help="where cached blocks and metadata live (created 0700), on a local disk or tmpfs: "
+                            "network file systems and ramfs are refused")
     mount.add_argument("--cache-size", default="10G", help="upper bound for cached block bytes (default: 10G)")
     mount.add_argument("--block-size", default="1M", help="cache block size, a power of two from 64K to 64M (default: 1M)")
     mount.add_argument("--max-connections", type=int, default=64, help="concurrent connections to the hub (default: 64)")
