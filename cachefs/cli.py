@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__, cli_admin
-from .cache.store import check_frees_space
+from .cache.store import can_free_space
 from .config import MountConfig, parse_hub_url, parse_listen, parse_size, read_token, validate_block_size
 from .config_file import ConfigFileError, with_config_file
 from .errors import CachefsError, UsageError
@@ -183,19 +183,19 @@ def _prepare_cache_dir(path: Path) -> None:
         raise UsageError(f"cache dir {path} is not a directory")
     probe = path / f".write-test.{os.getpid()}"
     try:
-        probe.write_bytes(b"")
-        probe.unlink()
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            frees_space = can_free_space(fd)
+        finally:
+            os.close(fd)
+            probe.unlink()
     except OSError as exc:
         raise UsageError(f"cache dir {path} is not writable: {exc.strerror}") from None
-    try:
-        check_frees_space(path)
-    except OSError as exc:
-        if exc.errno == errno.EOPNOTSUPP:
-            raise UsageError(
-                f"cache dir {path} is on a file system that cannot free part of a file (fallocate punch hole: "
-                f"{exc.strerror}), so evicted blocks would never give their space back; use a disk or tmpfs"
-            ) from None
-        # Anything else (a full disk) is the cache's to handle as it runs.
+    if not frees_space:
+        raise UsageError(
+            f"cache dir {path} is on a file system that cannot free part of a file (fallocate punch hole: "
+            f"{os.strerror(errno.EOPNOTSUPP)}), so evicted blocks would never give their space back; use a disk or tmpfs"
+        )
 
 
 def _mount(args: argparse.Namespace, argv: list[str]) -> int:

@@ -58,17 +58,16 @@ def _punch_hole(fd: int, offset: int, length: int) -> None:
         raise OSError(code, os.strerror(code))
 
 
-def check_frees_space(directory: Path) -> None:
-    """Raise OSError unless a file in `directory` can give back part of its space
-    (fallocate punch hole), which every eviction needs: ramfs cannot (EOPNOTSUPP)."""
-    probe = directory / f".punch-test.{os.getpid()}"
-    fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+def can_free_space(fd: int) -> bool:
+    """Whether the file system of an open, writable file can give back part of a file's space
+    (fallocate punch hole), which every eviction needs: ramfs cannot (EOPNOTSUPP). Writes 8 KiB
+    to the file. A write that fails (a full disk) cannot tell, and counts as yes."""
     try:
         os.pwrite(fd, bytes(2 * DIRECT_ALIGN), 0)
         _punch_hole(fd, 0, DIRECT_ALIGN)
-    finally:
-        os.close(fd)
-        probe.unlink(missing_ok=True)
+    except OSError as exc:
+        return exc.errno != errno.EOPNOTSUPP
+    return True
 
 
 class BlockStore:
