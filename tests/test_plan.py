@@ -271,3 +271,25 @@ def test_entry_store_spills_beyond_memory_and_reads_back(tmp_path: Path, monkeyp
     assert list(store.entries(40, 50)) == values[40:]
     store.close()
     assert not spill.exists()
+
+
+def test_a_block_read_often_but_not_planned_never_displaces_a_planned_one(hub, dataset: Path, tmp_path: Path) -> None:
+    planned = [read for read in shard_blocks(dataset) if read[0] == "shards/shard-000.bin"][:4]
+    unplanned = ("shards/shard-003.bin", 0, TEST_BLOCK_SIZE - 1)  # the whole file: one block
+    args = (*PLAIN_ARGS, "--cache-size", str(len(planned) * TEST_BLOCK_SIZE))
+    with mounted_spoke(hub.url, tmp_path, args) as spoke:
+        read_through(spoke, dataset, planned)
+        wait_for_stats(spoke, lambda s: s["cached_blocks"] == len(planned))
+        with cachefs_plan.submit(in_mount(spoke, planned), epoch=1):
+            for count in range(1, 5):  # more often than any planned block: TinyLFU alone would admit it
+                read_through(spoke, dataset, [unplanned])
+                decided = wait_for_stats(spoke, lambda s, count=count: s["rejected_blocks"] == count or s["evicted_blocks"])
+                assert decided["evicted_blocks"] == 0, "a block no plan reads displaced one the plan reads next"
+                # Out of the daemon's memory too, so the next read fetches and offers it again.
+                assert run_cachefs("evict", spoke.mountpoint / unplanned[0]).returncode == 0
+            before = spoke.stats()
+            read_through(spoke, dataset, planned)
+            after = spoke.stats()
+        assert after["fetched_bytes"] == before["fetched_bytes"]  # every planned block was still cached
+        assert after["evicted_blocks"] == 0
+

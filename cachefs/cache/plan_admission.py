@@ -114,9 +114,9 @@ class PlanVictims:
         distance, victim_distance = self._offered[1], -self._heap[0][0]
         if distance < victim_distance:
             return True
-        if distance == INFINITE:
+        if distance == victim_distance == INFINITE:
             return self._cache.sketch.estimate(key) > self._cache.sketch.estimate(victim)
-        return False
+        return False  # the victim is needed again, the block offered is not needed sooner
 
     def take(self) -> None:
         heapq.heappop(self._heap)
