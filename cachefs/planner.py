@@ -214,6 +214,10 @@ class Plan:
         self.next_use: dict[int, int] = {}
         self._last_use: dict[int, int] = {}
         self.released: collections.deque[int] = collections.deque(maxlen=1 << 16)
+        # Blocks this plan saw read last: one sample's read split into several
+        # FUSE reads is one use. Per plan, so a read from before a plan began
+        # (the previous epoch's last samples) never hides one of its uses.
+        self.recent: collections.deque[BlockKey] = collections.deque(maxlen=RECENT_BLOCKS)
         self.prefetched_blocks = self.used_blocks = self.wasted_blocks = self.matched_blocks = 0
         self.reported_used = self.reported_wasted = 0  # already added to the mount's counters
         self.skipped_uses = 0
@@ -422,7 +426,6 @@ class Planner:
         # dropped: whether a block stays is for the cache to decide, by its
         # use after that one).
         self._buffer: dict[BlockKey, _Buffered] = {}
-        self._recent: collections.deque[BlockKey] = collections.deque(maxlen=RECENT_BLOCKS)
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         # Measurements behind the lookahead.
@@ -451,21 +454,23 @@ class Planner:
         buffered = self._buffer.pop(key, None)
         if buffered is not None:
             buffered.plan.used_blocks += 1
-        if not self._plans or key in self._recent:
-            return buffered.data if buffered is not None else None
-        self._recent.append(key)
         reach = self.lookahead_blocks + MATCH_SLACK_ENTRIES
-        matched = False
+        fresh = matched = False
         for plan in self._plans.values():
+            if key in plan.recent:
+                continue
+            fresh = True
+            plan.recent.append(key)
             entry = plan.key_of(key)
             if entry is not None and plan.observe(entry, reach):
                 matched = True
                 self._consumed_total += 1
                 if plan.head > plan.issued:
                     self._overtaken = True
-        if not matched:
-            self._stats.plan_unplanned_blocks += 1
-        self._wake.set()
+        if fresh:
+            if not matched:
+                self._stats.plan_unplanned_blocks += 1
+            self._wake.set()
         return buffered.data if buffered is not None else None
 
     def active(self) -> bool:

@@ -293,3 +293,18 @@ def test_a_block_read_often_but_not_planned_never_displaces_a_planned_one(hub, d
         assert after["fetched_bytes"] == before["fetched_bytes"]  # every planned block was still cached
         assert after["evicted_blocks"] == 0
 
+
+def test_a_read_just_before_a_plan_began_still_counts_as_its_first_use(hub, dataset: Path, tmp_path: Path) -> None:
+    blocks = [read for read in shard_blocks(dataset) if read[0] == "shards/shard-000.bin"][:4]
+    with mounted_spoke(hub.url, tmp_path, PLAIN_ARGS) as spoke:
+        with cachefs_plan.submit(in_mount(spoke, blocks[:2]), epoch=1):
+            read_through(spoke, dataset, blocks[:2])
+        wait_for_stats(spoke, lambda s: s["training"]["plans_active"] == 0)
+        # The next epoch begins with the block the last one ended with.
+        with cachefs_plan.submit(in_mount(spoke, blocks[1:]), epoch=2):
+            read_through(spoke, dataset, blocks[1:2])
+            [plan] = spoke.stats()["training"]["plans"]
+            assert (plan["epoch"], plan["position"], plan["head"]) == (2, 1, 1)
+            unplanned = spoke.stats()["plan_unplanned_blocks"]
+            read_through(spoke, dataset, blocks[2:])
+            assert spoke.stats()["plan_unplanned_blocks"] == unplanned
