@@ -11,8 +11,9 @@ cache is offered a block:
   blocks;
 - the block is admitted only if its own next use is sooner than the
   victim's. A block the plan does not use again (a demand miss being read
-  for the last time, data of a job without a plan) competes as before:
-  TinyLFU, its frequency against the victim's.
+  for the last time, data of a job without a plan) never displaces a block
+  a plan still needs; against a victim no plan needs either, it competes
+  as before: TinyLFU, its frequency against the victim's.
 
 Each decision costs a few LMDB reads and dict lookups, never a scan of the
 cache: at most `MAX_SAMPLE_BLOCKS` candidates per batch of admissions.
