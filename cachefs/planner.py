@@ -720,6 +720,9 @@ class Planner:
                 raise CachefsError(f"plan rejected: no line for {LINE_TIMEOUT_S:g} s before its end marker") from None
             if line is None:
                 return False
+            if plan.cancelled:  # cancel_all while it was being sent: its entry store is closed
+                raise CachefsError("plan cancelled while it was being sent: the mount moved to a new snapshot; "
+                                   "send it again")
             try:
                 message = json.loads(line)
             except ValueError:

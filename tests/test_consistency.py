@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -15,8 +16,10 @@ import pytest
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE
 from hub_helpers import running_hub
-from mount_helpers import mounted_spoke, run_cachefs
+from mount_helpers import mounted_spoke, run_cachefs, wait_for_stats
 from test_mount import read_uncached
+
+from cachefs import plan as cachefs_plan
 
 ARGS = (*SPOKE_ARGS, "--readahead-blocks", "0", "--prefetch-siblings", "0")
 
@@ -127,3 +130,35 @@ def test_refresh_interval_follows_the_hub(dataset: Path, tmp_path: Path) -> None
             assert time.monotonic() < deadline, "the mount did not follow the hub's new generation"
             time.sleep(0.1)
         assert (spoke.mountpoint / "with space.txt").read_text() == "changed at the hub\n"
+
+
+def test_a_new_snapshot_cancels_plans_also_one_still_being_sent(dataset: Path, tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    shutil.copytree(dataset, source, symlinks=True)
+    shard = "shards/shard-000.bin"
+    with running_hub(source) as hub, mounted_spoke(hub.url, tmp_path, ARGS) as spoke:
+        active = cachefs_plan.submit([(spoke.mountpoint / shard, 0, 100)], epoch=1)
+        sending = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sending.settimeout(30)
+        try:
+            sending.connect(str(spoke.cache_dir / cachefs_plan.SOCKET_NAME))
+            for line in ({"command": "plan", "epoch": 2}, {"files": [shard]}, {"reads": [[0, 0, 100]]}):
+                sending.sendall(json.dumps(line).encode() + b"\n")  # no end marker yet
+            wait_for_stats(spoke, lambda s: s["training"]["plans_active"] == 2)
+            (source / "new.txt").write_text("added later\n")
+            request = urllib.request.Request(hub.url + "/v1/rescan", method="POST")
+            with urllib.request.urlopen(request, timeout=30) as response:
+                assert json.load(response)["rescanned"] is True
+            assert run_cachefs("refresh", spoke.mountpoint).returncode == 0
+            wait_for_stats(spoke, lambda s: s["training"]["plans_active"] == 0)
+            # The plan being sent is refused at its next line, with a reason, and nothing of it is kept.
+            sending.sendall(json.dumps({"reads": [[0, 100, 100]]}).encode() + b"\n")
+            with sending.makefile("rb") as replies:
+                reply = json.loads(replies.readline())
+            assert reply["ok"] is False and "cancelled while it was being sent" in reply["error"], reply
+        finally:
+            sending.close()
+            active.close()
+        plans_dir = spoke.cache_dir / "plans"
+        assert not plans_dir.exists() or not any(plans_dir.iterdir())
+        assert spoke.stats()["training"]["plans_active"] == 0
