@@ -274,6 +274,14 @@ class Plan:
         position = self.next_use.get(entry) if entry is not None else None
         return INFINITE if position is None else max(0, position - self.tail)
 
+    def distance_after(self, position: int, key: BlockKey) -> int:
+        """For a block held for its use at `position`: planned uses to the use after that one (the held
+        copy covers that one). Once the tail has passed `position` the copy covers nothing: `distance`."""
+        if position < self.tail:
+            return self.distance(key)
+        after = self.next_use_after(position)
+        return INFINITE if after is None else max(0, after - self.tail)
+
     def extend_horizon(self, entries: int) -> None:
         """Index the uses up to `entries` past the tail (as far as the plan has arrived)."""
         stop = min(self.store.length, self.tail + entries)
@@ -348,6 +356,8 @@ class Plan:
 
     def next_use_after(self, position: int) -> int | None:
         """The first unconsumed use of the block at `position` after it (any thread: may answer None)."""
+        if position < self._base:
+            return None  # forgotten: behind the window
         try:
             following = self._following[position - self._base]
             while following != -1 and self._consumed[following - self._base]:
@@ -490,9 +500,7 @@ class Planner:
         best = INFINITE
         for plan in list(self._plans.values()):
             if buffered is not None and buffered.plan is plan:
-                after = plan.next_use_after(buffered.position)
-                if after is not None:
-                    best = min(best, max(0, after - plan.tail))
+                best = min(best, plan.distance_after(buffered.position, key))
             else:
                 best = min(best, plan.distance(key))
         return best

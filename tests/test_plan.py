@@ -18,6 +18,8 @@ from test_mount import read_uncached
 from cachefs import plan as cachefs_plan
 from cachefs import planner
 from cachefs.bench.plan_bench import belady_hits
+from cachefs.cache import BlockKey
+from cachefs.namespace import KIND_FILE, Inode
 from cachefs.planner import INITIAL_LOOKAHEAD_BLOCKS
 
 # No read-ahead of the reader's own: every prefetch in these tests is the plan's.
@@ -308,3 +310,27 @@ def test_a_read_just_before_a_plan_began_still_counts_as_its_first_use(hub, data
             unplanned = spoke.stats()["plan_unplanned_blocks"]
             read_through(spoke, dataset, blocks[2:])
             assert spoke.stats()["plan_unplanned_blocks"] == unplanned
+
+
+def test_a_held_block_its_plan_moved_past_is_judged_by_its_next_use(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(planner, "CHUNK_ENTRIES", 8)  # the window drops consumed uses early
+    inode = Inode(ino=2, kind=KIND_FILE, mode=0o444, mtime_ns=0, size=1 << 20, parent=1,
+                  file_id=b"f" * 8, version=b"v" * 8)
+    plan = planner.Plan(1, 1, planner.EntryStore(tmp_path / "1.entries"), block_size=1)
+    plan.add_file(inode)
+    blocks = [index % 50 for index in range(200)]  # block b is used at b, b + 50, b + 100, b + 150
+    for block in blocks:
+        plan.add_read(0, block, 1)
+    plan.complete = True
+    plan.extend_horizon(len(blocks))
+    key = BlockKey(inode.file_id, inode.version, 3)
+    assert plan.distance_after(3, key) == 53  # held for its use at 3: the use at 53 is what counts
+    for position, block in enumerate(blocks[:110]):
+        if position != 3:  # the held copy's reader never came (its use was served elsewhere)
+            plan.observe(block, reach=1000)
+    plan.trail = 4
+    plan.advance_tail()
+    assert plan.tail > 3 and plan.next_use_after(3) is None  # behind the window: forgotten, not misread
+    # The copy covers no use any more: the block counts by its next unconsumed use (153), not as never used.
+    assert plan.distance_after(3, key) == plan.distance(key) == 153 - plan.tail
