@@ -636,11 +636,12 @@ class Planner:
             async with self._fetcher.prefetch_slots:
                 if plan.cancelled:
                     return
-                # Readers may have fetched some meanwhile: keep the first contiguous stretch still missing.
+                # Readers may have read or fetched some meanwhile: keep the first contiguous stretch still needed.
                 wanted: list[tuple[int, int]] = []
                 for entry, position in run:
                     key = plan.block_key(entry)
-                    if key in self._buffer or self._fetcher.flight(key) is not None or self._cache.contains(key):
+                    if (position < plan.tail or plan.consumed_at(position) or key in self._buffer
+                            or self._fetcher.flight(key) is not None or self._cache.contains(key)):
                         if wanted:
                             break
                         continue
