@@ -12,7 +12,10 @@ memory costs disk, not RAM).
   frontier; the plan's *head* is the furthest use matched, its *tail* the
   first use not yet consumed, and the tail never lags the head by more than
   `trail` uses (uses served from the kernel's page cache never reach the
-  daemon; workers read out of order). Reads a plan does not expect are
+  daemon; workers read out of order). A reader that comes for a use the
+  tail passed (a DataLoader's workers each read a batch of their own, so
+  8 x 64 samples are in progress at once) grows the trail to twice its
+  lag, and later plans start with that trail. Reads a plan does not expect are
   counted and otherwise ignored, so a plan that lies costs at most one
   lookahead window of wasted prefetch, also counted.
 - **Prefetch.** Blocks of the next `lookahead_blocks` uses after the head
@@ -99,6 +102,11 @@ MAX_BOOST = 8.0
 # A read matches a planned use at most this far beyond the prefetch frontier.
 MATCH_SLACK_ENTRIES = 256
 MIN_TRAIL_ENTRIES = 256
+# The trail grows to cover the readers seen furthest behind the head (DataLoader
+# workers each read a batch of their own: 8 workers x 64 samples are 512 uses
+# in progress at once), up to this. Uses passed unread are remembered this long.
+MAX_TRAIL_ENTRIES = 1 << 16
+PASSED_MEMORY_ENTRIES = 4096
 RECENT_BLOCKS = 16  # one sample's read split into several FUSE reads is one use
 TICK_S = 0.25
 RATE_SMOOTHING = 0.3  # weight of the newest tick in the rate averages
@@ -206,6 +214,9 @@ class Plan:
         self.finished = trio.Event()
         self.tail = self.head = self.issued = self.horizon = 0
         self.trail = MIN_TRAIL_ENTRIES
+        self.min_trail = MIN_TRAIL_ENTRIES  # grows when a reader comes for a use the tail passed
+        self._passed: collections.OrderedDict[int, int] = collections.OrderedDict()  # key -> use passed unread
+        self.late_reads = 0
         self._base = 0
         self._keys: array.array[int] = array.array("Q")
         self._following: array.array[int] = array.array("q")
@@ -302,10 +313,21 @@ class Plan:
     # -- following the readers ------------------------------------------------------------
 
     def observe(self, key: int, reach: int) -> bool:
-        """A reader used block `key`: consume its next planned use if within `reach` of the frontier."""
+        """A reader used block `key`: consume its next planned use if within `reach` of the frontier.
+
+        A read of a block whose use the tail passed unread moments ago, and that
+        has no other use within reach, is that use read late (a slow worker):
+        the trail grows to cover readers that far behind.
+        """
+        passed = self._passed.pop(key, None)
         position = self.next_use.get(key)
         if position is None or position >= max(self.head, self.issued) + reach:
-            return False
+            if passed is None:
+                return False
+            self.late_reads += 1
+            self.min_trail = min(MAX_TRAIL_ENTRIES, max(self.min_trail, 2 * (self.head - passed)))
+            self.trail = max(self.trail, self.min_trail)
+            return True
         self._consume(position)
         self.matched_blocks += 1
         return True
@@ -349,6 +371,10 @@ class Plan:
         key = self._keys[offset]
         if not self._consumed[offset]:
             self.skipped_uses += 1
+            self._passed[key] = position
+            self._passed.move_to_end(key)
+            if len(self._passed) > PASSED_MEMORY_ENTRIES:
+                self._passed.popitem(last=False)
             if self.next_use.get(key) == position:
                 self._advance_next_use(key, position)
         if self._last_use.get(key) == position:
@@ -388,6 +414,8 @@ class Plan:
             "prefetch_used_blocks": self.used_blocks,
             "prefetch_wasted_blocks": self.wasted_blocks,
             "skipped_uses": self.skipped_uses,
+            "late_reads": self.late_reads,
+            "trail": self.trail,
             "spilled_bytes": self.store.spilled_chunks * CHUNK_ENTRIES * 8,
             "age_s": time.monotonic() - self.created_s,
         }
@@ -431,6 +459,7 @@ class Planner:
         self.lookahead_blocks = min(INITIAL_LOOKAHEAD_BLOCKS, self.max_lookahead_blocks)
         self._horizon_entries = min(HORIZON_BUDGET_ENTRIES, max(MIN_HORIZON_ENTRIES, 4 * capacity_blocks))
         self._slots = int(fetcher.prefetch_slots.total_tokens)
+        self._learned_trail = MIN_TRAIL_ENTRIES  # how far behind the head readers were seen: the next plan starts there
         self._inflight_blocks = 0
         # Prefetched blocks held for the readers until their planned use (then
         # dropped: whether a block stays is for the cache to decide, by its
@@ -474,6 +503,7 @@ class Planner:
             entry = plan.key_of(key)
             if entry is not None and plan.observe(entry, reach):
                 matched = True
+                self._learned_trail = max(self._learned_trail, plan.min_trail)
                 self._consumed_total += 1
                 if plan.head > plan.issued:
                     self._overtaken = True
@@ -602,7 +632,7 @@ class Planner:
         """Ask for the blocks of the plan's next `lookahead_blocks` uses that are not cached or in flight."""
         if plan.cancelled:
             return
-        plan.trail = max(MIN_TRAIL_ENTRIES, 2 * self.lookahead_blocks)
+        plan.trail = max(plan.min_trail, 2 * self.lookahead_blocks)
         plan.extend_horizon(max(self._horizon_entries // max(1, len(self._plans)), MIN_HORIZON_ENTRIES,
                                 plan.head - plan.tail + self.lookahead_blocks))
         target = min(plan.head + self.lookahead_blocks, plan.horizon)
@@ -699,6 +729,7 @@ class Planner:
         self._next_id += 1
         plan = Plan(plan_id, self.training.start_epoch(epoch), EntryStore(self._plans_dir / f"{plan_id}.entries"),
                     self._block_size)
+        plan.min_trail = plan.trail = self._learned_trail
         self._plans[plan.id] = plan
         try:
             if not await self._receive(plan, lines):

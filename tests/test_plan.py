@@ -334,3 +334,26 @@ def test_a_held_block_its_plan_moved_past_is_judged_by_its_next_use(tmp_path: Pa
     assert plan.tail > 3 and plan.next_use_after(3) is None  # behind the window: forgotten, not misread
     # The copy covers no use any more: the block counts by its next unconsumed use (153), not as never used.
     assert plan.distance_after(3, key) == plan.distance(key) == 153 - plan.tail
+
+
+def test_the_trail_grows_to_cover_dataloader_workers_far_apart(tmp_path: Path) -> None:
+    workers, batch, uses = 8, 64, 4096  # 512 uses in progress at once, more than the first trail
+    plan = planner.Plan(1, 1, planner.EntryStore(tmp_path / "1.entries"), block_size=1)
+    plan.add_file(Inode(ino=2, kind=KIND_FILE, mode=0o444, mtime_ns=0, size=1 << 20, parent=1,
+                        file_id=b"f" * 8, version=b"v" * 8))
+    for block in range(uses):  # each sample its own block
+        plan.add_read(0, block, 1)
+    plan.complete = True
+    plan.extend_horizon(uses)
+    # Worker w reads batches w, w + workers, ...; the workers take turns sample by sample.
+    order = sorted((round_ * batch * workers + index * workers + worker, (round_ * workers + worker) * batch + index)
+                   for worker in range(workers) for round_ in range(uses // (batch * workers)) for index in range(batch))
+    skipped_when_grown = None
+    for _time, position in order:
+        assert plan.observe(position, reach=1000)  # matched, or recognised as late: never unplanned
+        if plan.late_reads and skipped_when_grown is None:
+            skipped_when_grown = plan.skipped_uses  # the first slow reader came too late: the trail grew
+    assert plan.trail > planner.MIN_TRAIL_ENTRIES and skipped_when_grown is not None
+    assert plan.skipped_uses == skipped_when_grown < batch * workers // 2  # then no use was passed unread
+    assert plan.late_reads == plan.skipped_uses  # and each one passed was read, late
+    assert plan.finished.is_set()
