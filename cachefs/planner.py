@@ -109,6 +109,10 @@ MAX_TRAIL_ENTRIES = 1 << 16
 PASSED_MEMORY_ENTRIES = 4096
 RECENT_BLOCKS = 16  # one sample's read split into several FUSE reads is one use
 TICK_S = 0.25
+# A plan whose readers matched nothing for this long gives up the blocks held
+# for it when another plan needs the prefetch budget (an abandoned or paused
+# plan must not starve the others; it keeps them while alone).
+IDLE_PLAN_S = 10.0
 RATE_SMOOTHING = 0.3  # weight of the newest tick in the rate averages
 # Consumption covered beyond two fetch latencies: a pause of the link or of
 # this process (GC, a busy CPU) must not reach the readers.
@@ -205,7 +209,7 @@ class Plan:
         self.epoch = epoch
         self.store = store
         self.block_size = block_size
-        self.created_s = time.monotonic()
+        self.created_s = self.progress_s = time.monotonic()  # progress: the last use matched
         self.files: list[Inode] = []
         self._file_index: dict[bytes, int] = {}  # file id + version -> index
         self.reads = 0
@@ -330,6 +334,7 @@ class Plan:
             return True
         self._consume(position)
         self.matched_blocks += 1
+        self.progress_s = time.monotonic()
         return True
 
     def _consume(self, position: int) -> None:
@@ -575,6 +580,7 @@ class Planner:
                     next_tick = trio.current_time() + TICK_S
                     self._tick()
                     self._drop_passed()
+                    self._reclaim_from_idle_plans()
                 for plan in list(self._plans.values()):
                     self._issue(plan)
 
@@ -582,6 +588,17 @@ class Planner:
         """Forget buffered blocks their plan moved past (or ended) without reading them: wasted."""
         for key, buffered in list(self._buffer.items()):
             if buffered.plan.cancelled or buffered.position < buffered.plan.tail:
+                del self._buffer[key]
+                buffered.plan.wasted_blocks += 1
+
+    def _reclaim_from_idle_plans(self) -> None:
+        """When the prefetch budget is full and several plans are open, drop the blocks held for
+        plans idle for IDLE_PLAN_S (wasted): the others prefetch again."""
+        if len(self._plans) < 2 or self._inflight_blocks + len(self._buffer) < self.lookahead_blocks:
+            return
+        idle_since = time.monotonic() - IDLE_PLAN_S
+        for key, buffered in list(self._buffer.items()):
+            if buffered.plan.progress_s < idle_since:
                 del self._buffer[key]
                 buffered.plan.wasted_blocks += 1
 

@@ -357,3 +357,22 @@ def test_the_trail_grows_to_cover_dataloader_workers_far_apart(tmp_path: Path) -
     assert plan.skipped_uses == skipped_when_grown < batch * workers // 2  # then no use was passed unread
     assert plan.late_reads == plan.skipped_uses  # and each one passed was read, late
     assert plan.finished.is_set()
+
+
+def test_a_plan_nobody_reads_gives_its_held_blocks_up_to_one_that_is_read(hub, dataset: Path, tmp_path: Path) -> None:
+    blocks = shard_blocks(dataset)
+    idle = [read for read in blocks if read[0] == "shards/shard-000.bin"]  # 49 blocks: more than a window
+    followed = [read for read in blocks if read[0] == "shards/shard-001.bin"]
+    with mounted_spoke(hub.url, tmp_path, PLAIN_ARGS) as spoke:
+        with cachefs_plan.submit(in_mount(spoke, idle), epoch=1):
+            held = settled(spoke)["plan_prefetch_blocks"]
+            assert held == INITIAL_LOOKAHEAD_BLOCKS  # its first window, held for readers that never come
+            with cachefs_plan.submit(in_mount(spoke, followed), epoch=2):
+                read_through(spoke, dataset, followed[:1])
+                # Once the first plan has been idle for IDLE_PLAN_S, its blocks go and the second prefetches.
+                stats = wait_for_stats(spoke, lambda s: s["plan_prefetch_blocks"] > held,
+                                       timeout_s=planner.IDLE_PLAN_S + WAIT_S)
+                first, second = stats["training"]["plans"]
+                assert first["prefetch_wasted_blocks"] == held and first["prefetch_used_blocks"] == 0
+                assert second["prefetched_blocks"] > 0
+                read_through(spoke, dataset, followed[1:])
