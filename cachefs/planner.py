@@ -466,6 +466,9 @@ class Planner:
         self._slots = int(fetcher.prefetch_slots.total_tokens)
         self._learned_trail = MIN_TRAIL_ENTRIES  # how far behind the head readers were seen: the next plan starts there
         self._inflight_blocks = 0
+        # Blocks of runs started and not finished (a run waits for a connection before its
+        # blocks are in flight): another plan's `_issue` must not ask for them again.
+        self._scheduled: collections.Counter[BlockKey] = collections.Counter()
         # Prefetched blocks held for the readers until their planned use (then
         # dropped: whether a block stays is for the cache to decide, by its
         # use after that one).
@@ -661,7 +664,8 @@ class Planner:
             entry = plan.key_at(position)
             if not plan.is_consumed(position) and entry not in asked:
                 key = plan.block_key(entry)
-                if key not in self._buffer and self._fetcher.flight(key) is None and not self._cache.contains(key):
+                if (key not in self._buffer and key not in self._scheduled and self._fetcher.flight(key) is None
+                        and not self._cache.contains(key)):
                     if run and (entry != run[-1][0] + 1 or len(run) >= COALESCE_BLOCKS):
                         self._start_run(plan, run)
                         run = []
@@ -675,6 +679,7 @@ class Planner:
     def _start_run(self, plan: Plan, run: list[tuple[int, int]]) -> None:
         assert self._nursery is not None
         self._inflight_blocks += len(run)
+        self._scheduled.update(plan.block_key(entry) for entry, _position in run)
         self._nursery.start_soon(self._prefetch_run, plan, run)
 
     async def _prefetch_run(self, plan: Plan, run: list[tuple[int, int]]) -> None:
@@ -683,13 +688,16 @@ class Planner:
             async with self._fetcher.prefetch_slots:
                 if plan.cancelled:
                     return
-                # Readers may have read or fetched some meanwhile: keep the first contiguous stretch still needed.
+                # Readers may have read or fetched some meanwhile: fetch the first contiguous stretch
+                # still needed; what follows a gap becomes a run of its own.
                 wanted: list[tuple[int, int]] = []
-                for entry, position in run:
+                for index, (entry, position) in enumerate(run):
                     key = plan.block_key(entry)
                     if (position < plan.tail or plan.consumed_at(position) or key in self._buffer
                             or self._fetcher.flight(key) is not None or self._cache.contains(key)):
                         if wanted:
+                            if index + 1 < len(run):
+                                self._start_run(plan, run[index + 1 :])
                             break
                         continue
                     wanted.append((entry, position))
@@ -725,6 +733,11 @@ class Planner:
                 plan.prefetched_blocks += len(keys)
         finally:
             self._inflight_blocks -= len(run)
+            for entry, _position in run:
+                key = plan.block_key(entry)
+                self._scheduled[key] -= 1
+                if self._scheduled[key] <= 0:
+                    del self._scheduled[key]
             self._sync_counters(plan)
 
     def _sync_counters(self, plan: Plan) -> None:
