@@ -15,7 +15,11 @@ memory costs disk, not RAM).
   daemon; workers read out of order). A reader that comes for a use the
   tail passed (a DataLoader's workers each read a batch of their own, so
   8 x 64 samples are in progress at once) grows the trail to twice its
-  lag, and later plans start with that trail. Reads a plan does not expect are
+  lag, and later plans start with that trail. Readers that skipped a
+  stretch the daemon never saw (the page cache served it; a resumed epoch
+  skipped its first batches) are found again: `RESYNC_READS` unmatched
+  reads in a row whose uses lie close together beyond reach move the plan
+  to them. Reads a plan does not expect are
   counted and otherwise ignored, so a plan that lies costs at most one
   lookahead window of wasted prefetch, also counted.
 - **Prefetch.** Blocks of the next `lookahead_blocks` uses after the head
@@ -107,6 +111,11 @@ MIN_TRAIL_ENTRIES = 256
 # in progress at once), up to this. Uses passed unread are remembered this long.
 MAX_TRAIL_ENTRIES = 1 << 16
 PASSED_MEMORY_ENTRIES = 4096
+# Reads in a row, none matched, whose next uses lie beyond reach but close
+# together: the readers are there (they skipped a stretch the daemon never
+# saw: the page cache served it, or a resumed epoch skipped its first
+# batches), and the plan moves to them.
+RESYNC_READS = 8
 RECENT_BLOCKS = 16  # one sample's read split into several FUSE reads is one use
 TICK_S = 0.25
 # A plan whose readers matched nothing for this long gives up the blocks held
@@ -221,6 +230,8 @@ class Plan:
         self.min_trail = MIN_TRAIL_ENTRIES  # grows when a reader comes for a use the tail passed
         self._passed: collections.OrderedDict[int, int] = collections.OrderedDict()  # key -> use passed unread
         self.late_reads = 0
+        self._beyond: list[int] = []  # next uses beyond reach of the reads since the last match
+        self.resyncs = 0
         self._base = 0
         self._keys: array.array[int] = array.array("Q")
         self._following: array.array[int] = array.array("q")
@@ -327,7 +338,7 @@ class Plan:
         position = self.next_use.get(key)
         if position is None or position >= max(self.head, self.issued) + reach:
             if passed is None:
-                return False
+                return position is not None and self._resync(position, reach)
             self.late_reads += 1
             self.min_trail = min(MAX_TRAIL_ENTRIES, max(self.min_trail, 2 * (self.head - passed)))
             self.trail = max(self.trail, self.min_trail)
@@ -335,6 +346,28 @@ class Plan:
         self._consume(position)
         self.matched_blocks += 1
         self.progress_s = time.monotonic()
+        self._beyond.clear()
+        return True
+
+    def _resync(self, position: int, reach: int) -> bool:
+        """An unmatched read whose next use is at `position`, beyond reach. After RESYNC_READS of them
+        in a row within `reach + trail` of each other, consume them all: the frontier moves there."""
+        self._beyond.append(position)
+        if len(self._beyond) < RESYNC_READS:
+            return False
+        beyond, self._beyond = self._beyond, []
+        if max(beyond) - min(beyond) >= reach + self.trail:
+            return False
+        for use in sorted(set(beyond)):  # ascending: the tail never passes one still to consume
+            if not self.is_consumed(use):
+                self._consume(use)
+        self._passed.clear()  # the uses jumped over were not read late: nobody is coming for them
+        self.issued = max(self.issued, min(beyond))  # nor are they worth prefetching
+        self.resyncs += 1
+        self.matched_blocks += len(beyond)
+        self.progress_s = time.monotonic()
+        log.info("plan %d: its readers are at use %d (%d uses skipped since the last match)",
+                 self.id, max(beyond), self.skipped_uses)
         return True
 
     def _consume(self, position: int) -> None:
@@ -420,6 +453,7 @@ class Plan:
             "prefetch_wasted_blocks": self.wasted_blocks,
             "skipped_uses": self.skipped_uses,
             "late_reads": self.late_reads,
+            "resyncs": self.resyncs,
             "trail": self.trail,
             "spilled_bytes": self.store.spilled_chunks * CHUNK_ENTRIES * 8,
             "age_s": time.monotonic() - self.created_s,
