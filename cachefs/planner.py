@@ -69,6 +69,7 @@ import trio
 
 from .cache import BlockCache, BlockData, BlockKey
 from .cache.plan_admission import INFINITE
+from .cache.store import punch_hole
 from .control import Lines, Progress
 from .errors import CachefsError
 from .fetcher import Fetcher
@@ -147,6 +148,7 @@ class EntryStore:
         self._current: array.array[int] = array.array("Q")
         self.length = 0
         self.spilled_chunks = 0
+        self._punched_chunks = 0  # chunks [0, this) are punched out of the spill file
 
     def append(self, value: int) -> None:
         self._current.append(value)
@@ -170,11 +172,20 @@ class EntryStore:
             index += end - offset
 
     def drop_before(self, index: int) -> None:
-        """Forget the chunks wholly before `index` (memory only; the spill file is sparse anyway)."""
+        """Forget the chunks wholly before `index`: from memory, and from the spill file (punched
+        out, so a plan of many millions of uses holds only the disk space of what is still ahead)."""
         for number in [n for n in self._memory if (n + 1) * CHUNK_ENTRIES <= index]:
             del self._memory[number]
         for number in [n for n in self._loaded if (n + 1) * CHUNK_ENTRIES <= index]:
             del self._loaded[number]
+        done = index // CHUNK_ENTRIES
+        if self._fd is not None and done > self._punched_chunks:
+            chunk_bytes = CHUNK_ENTRIES * array.array("Q").itemsize
+            try:
+                punch_hole(self._fd, self._punched_chunks * chunk_bytes, (done - self._punched_chunks) * chunk_bytes)
+            except OSError as exc:
+                log.debug("cannot free the spilled plan entries before %d: %s", index, exc)
+            self._punched_chunks = done
 
     def close(self) -> None:
         self._memory.clear()

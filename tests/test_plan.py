@@ -402,3 +402,22 @@ def test_scattered_reads_of_planned_blocks_do_not_move_a_plan(tmp_path: Path) ->
     for _ in range(1000):  # only the other job's
         plan.observe(rng.randrange(2000, 5000), reach=288)
     assert plan.resyncs == 0 and plan.head == 1000
+
+
+def test_entry_store_gives_back_the_disk_space_of_what_it_forgot(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(planner, "CHUNK_ENTRIES", 4096)  # 32 KiB chunks: whole file system blocks
+    monkeypatch.setattr(planner, "MEMORY_CHUNKS", 1)
+    spill = tmp_path / "plans" / "1.entries"
+    store = planner.EntryStore(spill)
+    values = list(range(20 * 4096))
+    for value in values:
+        store.append(value)
+    chunk_bytes = 4096 * 8
+    allocated = spill.stat().st_blocks * 512
+    assert store.spilled_chunks == 19 and allocated >= 18 * chunk_bytes
+    store.drop_before(16 * 4096)  # chunks 0-15 forgotten; 1-15 were on disk
+    assert spill.stat().st_blocks * 512 <= allocated - 15 * chunk_bytes
+    assert list(store.entries(16 * 4096, len(values))) == values[16 * 4096 :]  # what is ahead reads back
+    store.close()
+    assert not spill.exists()

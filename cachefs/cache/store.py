@@ -52,7 +52,8 @@ DIRECT_ALIGN = 4096
 DIRECT_CHUNK_BYTES = 1 << 20
 
 
-def _punch_hole(fd: int, offset: int, length: int) -> None:
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Free [offset, offset + length) of a file's disk space; the file keeps its size."""
     if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
@@ -64,7 +65,7 @@ def can_free_space(fd: int) -> bool:
     to the file. A write that fails (a full disk) cannot tell, and counts as yes."""
     try:
         os.pwrite(fd, bytes(2 * DIRECT_ALIGN), 0)
-        _punch_hole(fd, 0, DIRECT_ALIGN)
+        punch_hole(fd, 0, DIRECT_ALIGN)
     except OSError as exc:
         return exc.errno != errno.EOPNOTSUPP
     return True
@@ -138,7 +139,7 @@ class BlockStore:
                 raise OSError(errno.ENOSPC, f"short write of {key}")
         except OSError:
             with contextlib.suppress(OSError):  # give back what a partial write took
-                _punch_hole(fd, offset, self.block_size)
+                punch_hole(fd, offset, self.block_size)
             raise
         finally:
             os.close(fd)
@@ -196,7 +197,7 @@ class BlockStore:
         except FileNotFoundError:
             return
         try:
-            _punch_hole(fd, key.blockno * self.block_size, self.block_size)
+            punch_hole(fd, key.blockno * self.block_size, self.block_size)
         except OSError as exc:
             log.warning("cannot free %s on disk: %s", key, exc)
         finally:
