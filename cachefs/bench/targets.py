@@ -19,6 +19,9 @@ def _find(scenarios: Sequence[dict[str, Any]], system: str, link: str | None, st
     return None
 
 
+SEQ_WORKLOADS = (("seq1", "1 thread"), ("seq4", "4 threads"))
+
+
 def _workload(scenario: dict[str, Any] | None, name: str) -> dict[str, Any] | None:
     if scenario is None:
         return None
@@ -33,35 +36,34 @@ def _seq_target(label: str, scenario: dict[str, Any] | None, check: Callable[[fl
     `check(mb_per_s, local_mb_per_s)` decides one of them.
     """
     if scenario is not None and local is not None and "side_by_side" in scenario:
-        return _side_by_side_target(label, scenario["side_by_side"], check)
-    parts: list[str] = []
-    verdicts: list[bool] = []
-    for name, threads in (("seq1", "1 thread"), ("seq4", "4 threads")):
+        # Reads alternated with local ones (side_by_side.py): the medians of each side.
+        paired = scenario["side_by_side"]
+        rates = [(threads, paired[name]["mount"]["median"], paired[name]["local"]["median"] or None)
+                 for name, threads in SEQ_WORKLOADS if name in paired]
+        return _seq_row(label, rates, check, show_local=True,
+                        note=f" (medians of {paired['rounds']} rounds alternated with local reads)")
+    rates = []
+    for name, threads in SEQ_WORKLOADS:
         result = _workload(scenario, name)
-        if result is None:
-            continue
-        mb_per_s = result["mb_per_s"]
-        local_result = _workload(local, name)
-        local_mb_per_s = local_result["mb_per_s"] if local_result else None
-        share = f" = {100 * mb_per_s / local_mb_per_s:.0f} % of local" if local_mb_per_s else ""
+        if result is not None:
+            local_result = _workload(local, name)
+            rates.append((threads, result["mb_per_s"], local_result["mb_per_s"] if local_result else None))
+    return _seq_row(label, rates, check)
+
+
+def _seq_row(label: str, rates: list[tuple[str, float, float | None]], check: Callable[[float, float | None], bool],
+             *, show_local: bool = False, note: str = "") -> dict[str, Any]:
+    """The row from (threads, MB/s, local MB/s) per workload; met only if `check` passes for each."""
+    parts = []
+    for threads, mb_per_s, local_mb_per_s in rates:
+        share = ""
+        if local_mb_per_s:
+            share = f" = {100 * mb_per_s / local_mb_per_s:.0f} % of local"
+            share += f"'s {local_mb_per_s:,.0f}" if show_local else ""
         parts.append(f"{threads}: {mb_per_s:,.0f} MB/s{share}")
-        verdicts.append(check(mb_per_s, local_mb_per_s))
-    return {"target": label, "measured": "; ".join(parts) or "not measured", "met": all(verdicts) if verdicts else None}
-
-
-def _side_by_side_target(label: str, paired: dict[str, Any], check: Callable[[float, float | None], bool]) -> dict[str, Any]:
-    """The warm row from reads alternated with local ones (side_by_side.py): medians of each side."""
-    parts: list[str] = []
-    verdicts: list[bool] = []
-    for name, threads in (("seq1", "1 thread"), ("seq4", "4 threads")):
-        if name not in paired:
-            continue
-        mount, local = paired[name]["mount"]["median"], paired[name]["local"]["median"]
-        parts.append(f"{threads}: {mount:,.0f} MB/s = {100 * mount / local:.0f} % of local's {local:,.0f}"
-                     if local else f"{threads}: {mount:,.0f} MB/s")
-        verdicts.append(check(mount, local or None))
-    measured = "; ".join(parts) + f" (medians of {paired['rounds']} rounds alternated with local reads)"
-    return {"target": label, "measured": measured if parts else "not measured", "met": all(verdicts) if verdicts else None}
+    verdicts = [check(mb_per_s, local_mb_per_s) for _threads, mb_per_s, local_mb_per_s in rates]
+    return {"target": label, "measured": "; ".join(parts) + note if parts else "not measured",
+            "met": all(verdicts) if verdicts else None}
 
 
 def _warm_check(mb_per_s: float, local_mb_per_s: float | None) -> bool:
