@@ -61,7 +61,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -634,10 +634,7 @@ class Planner:
 
     def _drop_passed(self) -> None:
         """Forget buffered blocks their plan moved past (or ended) without reading them: wasted."""
-        for key, buffered in list(self._buffer.items()):
-            if buffered.plan.cancelled or buffered.position < buffered.plan.tail:
-                del self._buffer[key]
-                buffered.plan.wasted_blocks += 1
+        self._drop_held(lambda buffered: buffered.plan.cancelled or buffered.position < buffered.plan.tail)
 
     def _reclaim_from_idle_plans(self) -> None:
         """When the prefetch budget is full and several plans are open, drop the blocks held for
@@ -645,8 +642,12 @@ class Planner:
         if len(self._plans) < 2 or self._inflight_blocks + len(self._buffer) < self.lookahead_blocks:
             return
         idle_since = time.monotonic() - IDLE_PLAN_S
+        self._drop_held(lambda buffered: buffered.plan.progress_s < idle_since)
+
+    def _drop_held(self, unwanted: Callable[[_Buffered], bool]) -> None:
+        """Forget the held blocks `unwanted` picks, counted wasted for their plans."""
         for key, buffered in list(self._buffer.items()):
-            if buffered.plan.progress_s < idle_since:
+            if unwanted(buffered):
                 del self._buffer[key]
                 buffered.plan.wasted_blocks += 1
 
