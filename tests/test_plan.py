@@ -312,18 +312,24 @@ def test_a_read_just_before_a_plan_began_still_counts_as_its_first_use(hub, data
             assert spoke.stats()["plan_unplanned_blocks"] == unplanned
 
 
-def test_a_held_block_its_plan_moved_past_is_judged_by_its_next_use(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(planner, "CHUNK_ENTRIES", 8)  # the window drops consumed uses early
-    inode = Inode(ino=2, kind=KIND_FILE, mode=0o444, mtime_ns=0, size=1 << 20, parent=1,
-                  file_id=b"f" * 8, version=b"v" * 8)
+def _plan_of(tmp_path: Path, blocks: list[int]) -> planner.Plan:
+    """A complete plan reading `blocks` (one use each, in this order) of one file, one byte per block."""
     plan = planner.Plan(1, 1, planner.EntryStore(tmp_path / "1.entries"), block_size=1)
-    plan.add_file(inode)
-    blocks = [index % 50 for index in range(200)]  # block b is used at b, b + 50, b + 100, b + 150
+    plan.add_file(Inode(ino=2, kind=KIND_FILE, mode=0o444, mtime_ns=0, size=1 << 20, parent=1,
+                        file_id=b"f" * 8, version=b"v" * 8))
     for block in blocks:
         plan.add_read(0, block, 1)
     plan.complete = True
     plan.extend_horizon(len(blocks))
+    return plan
+
+
+def test_a_held_block_its_plan_moved_past_is_judged_by_its_next_use(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(planner, "CHUNK_ENTRIES", 8)  # the window drops consumed uses early
+    blocks = [index % 50 for index in range(200)]  # block b is used at b, b + 50, b + 100, b + 150
+    plan = _plan_of(tmp_path, blocks)
+    inode = plan.files[0]
     key = BlockKey(inode.file_id, inode.version, 3)
     assert plan.distance_after(3, key) == 53  # held for its use at 3: the use at 53 is what counts
     for position, block in enumerate(blocks[:110]):
@@ -336,21 +342,9 @@ def test_a_held_block_its_plan_moved_past_is_judged_by_its_next_use(tmp_path: Pa
     assert plan.distance_after(3, key) == plan.distance(key) == 153 - plan.tail
 
 
-def _plan_in_order(tmp_path: Path, uses: int) -> planner.Plan:
-    """A complete plan reading blocks 0 .. uses - 1 of one file, in order."""
-    plan = planner.Plan(1, 1, planner.EntryStore(tmp_path / "1.entries"), block_size=1)
-    plan.add_file(Inode(ino=2, kind=KIND_FILE, mode=0o444, mtime_ns=0, size=1 << 20, parent=1,
-                        file_id=b"f" * 8, version=b"v" * 8))
-    for block in range(uses):
-        plan.add_read(0, block, 1)
-    plan.complete = True
-    plan.extend_horizon(uses)
-    return plan
-
-
 def test_the_trail_grows_to_cover_dataloader_workers_far_apart(tmp_path: Path) -> None:
     workers, batch, uses = 8, 64, 4096  # 512 uses in progress at once, more than the first trail
-    plan = _plan_in_order(tmp_path, uses)  # each sample its own block
+    plan = _plan_of(tmp_path, list(range(uses)))  # each sample its own block
     # Worker w reads batches w, w + workers, ...; the workers take turns sample by sample.
     order = sorted((round_ * batch * workers + index * workers + worker, (round_ * workers + worker) * batch + index)
                    for worker in range(workers) for round_ in range(uses // (batch * workers)) for index in range(batch))
@@ -385,7 +379,7 @@ def test_a_plan_nobody_reads_gives_its_held_blocks_up_to_one_that_is_read(hub, d
 
 
 def test_a_plan_finds_readers_that_skipped_a_stretch_it_never_saw(tmp_path: Path) -> None:
-    plan = _plan_in_order(tmp_path, 5000)
+    plan = _plan_of(tmp_path, list(range(5000)))
     reach = 288  # the initial lookahead (32) + MATCH_SLACK_ENTRIES
     matched = [plan.observe(position, reach) for position in range(400, 5000)]  # 0-399: the page cache served them
     assert matched[: planner.RESYNC_READS - 1] == [False] * (planner.RESYNC_READS - 1)
@@ -394,7 +388,7 @@ def test_a_plan_finds_readers_that_skipped_a_stretch_it_never_saw(tmp_path: Path
 
 
 def test_scattered_reads_of_planned_blocks_do_not_move_a_plan(tmp_path: Path) -> None:
-    plan = _plan_in_order(tmp_path, 5000)
+    plan = _plan_of(tmp_path, list(range(5000)))
     rng = random.Random(6)
     for position in range(1000):  # its own readers, in order, and another job's reads of the same blocks
         assert plan.observe(position, reach=288)
