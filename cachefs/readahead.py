@@ -95,10 +95,11 @@ FILL_AFTER_RANDOM_READS = 4
 FILL_RUNS_IN_FLIGHT = 8
 RANDOM_READS_REMEMBERED = 4096
 # A large file's index entries are paged in (in a worker thread) when it is
-# opened, at most once in this many seconds: its random reads then find their
-# index pages in memory instead of each faulting one in on the event loop's
-# thread (after a reboot or a dropped page cache).
-INDEX_PAGE_IN_INTERVAL_S = 10.0
+# opened, and the data of cached small files a walk is about to reach (see
+# prefetch_siblings), each at most once in this many seconds: their reads then
+# find their pages in memory instead of each waiting for the disk on the event
+# loop's thread (after a reboot or a dropped page cache).
+PAGE_IN_INTERVAL_S = 10.0
 
 
 @dataclasses.dataclass
@@ -171,7 +172,8 @@ class ReadAhead:
         self._fill_slots = trio.Semaphore(FILL_RUNS_IN_FLIGHT)
         self._runs = trio.CapacityLimiter(READAHEAD_RUNS_IN_FLIGHT)
         self._readers: collections.OrderedDict[int, _ReaderFiles] = collections.OrderedDict()
-        self._paged_in: collections.OrderedDict[int, float] = collections.OrderedDict()  # ino -> when
+        # ino -> when a large file's index entries or a small file's data were last paged in
+        self._paged_in: collections.OrderedDict[int, float] = collections.OrderedDict()
         # Whether a loader's plan covers a file: then the plan's prefetch, which
         # knows what comes next, replaces these guesses.
         self.planned: Callable[[Inode], bool] | None = None
@@ -321,20 +323,24 @@ class ReadAhead:
 
     def page_in_index(self, inode: Inode) -> None:
         """On open of a large file, bring its index entries into memory in a worker thread."""
-        if inode.size <= self.block_size:
+        if inode.size <= self.block_size or not self._page_in_due(inode, trio.current_time()):
             return
-        now = trio.current_time()
-        last = self._paged_in.get(inode.ino)
-        if last is not None and now - last < INDEX_PAGE_IN_INTERVAL_S:
-            return
-        _remember(self._paged_in, inode.ino, now, RANDOM_READS_REMEMBERED)
         page_in = functools.partial(self._cache.page_in_index, inode.file_id, inode.version)
         self._nursery.start_soon(functools.partial(trio.to_thread.run_sync, page_in, abandon_on_cancel=True))
+
+    def _page_in_due(self, inode: Inode, now: float) -> bool:
+        """Whether a file was not paged in for PAGE_IN_INTERVAL_S; if so, it counts as paged in now."""
+        last = self._paged_in.get(inode.ino)
+        if last is not None and now - last < PAGE_IN_INTERVAL_S:
+            return False
+        _remember(self._paged_in, inode.ino, now, RANDOM_READS_REMEMBERED)
+        return True
 
     # -- sibling prefetch -------------------------------------------------------------
 
     def prefetch_siblings(self, inode: Inode) -> None:
-        """On open of a small file, fetch the files after it in tree order.
+        """On open of a small file, fetch the files after it in tree order, and
+        start reading those already cached into the page cache.
 
         At most `sibling_prefetch_files` files and SIBLING_PREFETCH_BYTES.
         Skipped while the file was itself asked for by a recent walk with at
@@ -346,12 +352,18 @@ class ReadAhead:
             return
         followers = self._covered(self._namespace.files_after(inode, count))
         wanted: list[Inode] = []
+        cached: list[Inode] = []
         for index, sibling in enumerate(followers):
             # Files ahead of it in this walk, less half the walk: >= 0 while a walk would add little.
             ahead = len(followers) - 1 - index - len(followers) // 2
             _remember(self._siblings_ahead, sibling.ino, ahead, SIBLINGS_REMEMBERED)
-            if 0 < sibling.size <= self.block_size and not self._asked(self._head(sibling)):
-                wanted.append(sibling)
+            if 0 < sibling.size <= self.block_size:
+                head = self._head(sibling)
+                if self._cache.contains(head):
+                    cached.append(sibling)
+                elif head not in self._queued and self._fetcher.flight(head) is None:
+                    wanted.append(sibling)
+        self._page_in_small_files(cached)
         batchable: list[Inode] = []
         for sibling in wanted:
             if self._fetcher.batches and sibling.size <= self._batch_bytes:
@@ -362,6 +374,16 @@ class ReadAhead:
             keys = [self._head(sibling) for sibling in batch]
             self._queued.update(keys)
             self._nursery.start_soon(self._prefetch_batch, batch, keys)
+
+    def _page_in_small_files(self, files: list[Inode]) -> None:
+        """Start reading cached small files into the page cache, in a worker thread: a walk's
+        reads then find them in memory instead of each waiting for the disk on the event
+        loop's thread, one after the other."""
+        now = trio.current_time()
+        fresh = [(inode.file_id, inode.version, inode.size) for inode in files if self._page_in_due(inode, now)]
+        if fresh:
+            page_in = functools.partial(self._cache.page_in_files, fresh)
+            self._nursery.start_soon(functools.partial(trio.to_thread.run_sync, page_in, abandon_on_cancel=True))
 
     @staticmethod
     def _covered(followers: list[Inode]) -> list[Inode]:

@@ -26,6 +26,7 @@ from mount_helpers import (
     is_mounted,
     mount_spoke,
     mounted_spoke,
+    resident_pages,
     run_cachefs,
     wait_for_stats,
     wait_until_gone,
@@ -407,6 +408,31 @@ def test_a_file_of_a_batch_reaches_its_reader_before_the_rest_of_the_batch(datas
                 stats = spoke.stats()
     assert waited_s < 1.5, f"the first file of a held batch took {waited_s:.1f} s"
     assert stats["block_misses"] <= 1 and stats["fetch_failures"] == 0
+
+
+def test_opening_a_cached_small_file_reads_the_files_after_it_into_memory(hub, dataset: Path, tmp_path: Path) -> None:
+    """A walk through cached small files, their data files out of the page cache: opening one
+    has the kernel read the files after it into memory in the background, so their reads do
+    not each wait for the disk in turn."""
+    files = sorted((dataset / "small").rglob("*.dat"))
+    cache_dir = tmp_path / "cache"
+    with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS, cache_dir=cache_dir) as spoke:
+        for path in files:
+            assert (spoke.mountpoint / path.relative_to(dataset)).read_bytes() == path.read_bytes()
+        wait_for_stats(spoke, lambda stats: stats["cached_bytes"] >= sum(path.stat().st_size for path in files))
+    data_files = cache_data_files(cache_dir)
+    with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS, cache_dir=cache_dir) as spoke:
+        assert evict_from_page_cache(data_files)
+        assert (spoke.mountpoint / files[0].relative_to(dataset)).read_bytes() == files[0].read_bytes()
+        deadline = time.monotonic() + 10
+        while (in_memory := sum(1 for path in data_files if resident_pages(path))) < len(files) - 1:
+            assert time.monotonic() < deadline, f"{in_memory} of {len(files) - 1} files after it read into memory"
+            time.sleep(0.05)
+        for path in files[1:]:
+            assert (spoke.mountpoint / path.relative_to(dataset)).read_bytes() == path.read_bytes()
+        stats = spoke.stats()
+    assert stats["fetches"] == 0
+    assert stats["disk_reads"] <= 1, stats  # the opened file's own read; the rest came from memory
 
 
 def test_files_fetched_ahead_reach_their_first_reader_from_memory(spoke: SpokeMount, dataset: Path) -> None:

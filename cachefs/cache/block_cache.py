@@ -128,6 +128,10 @@ class BlockCache:
         except lmdb.Error as exc:
             log.debug("cannot page in the index entries of %s: %s", file_id.hex(), exc)
 
+    def page_in_files(self, files: list[tuple[bytes, bytes, int]]) -> None:
+        """Start reading cached files (file id, version, bytes) into the page cache (worker thread)."""
+        self.store.start_reading(files)
+
     def read(self, key: BlockKey, entry: IndexEntry, *, nowait: bool = False) -> BlockData | None:
         """The verified bytes of an indexed block; None if they are missing or corrupt (then dropped).
 
