@@ -261,8 +261,8 @@ class HubClient:
         pieces = [unfilled_buffer(piece_length) for piece_length in lengths]  # handed on only once filled
         try:
             received = await conn.read_body_into(pieces, self._read_timeout_s, on_piece)
-        except OSError as exc:
-            raise HubUnavailable(f"connection to hub {self.url} failed: {exc}") from None
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:  # TLS streams raise trio's
+            raise _translate(exc, self.url) from None
         if received != sum(lengths):
             raise HubProtocolError(f"hub sent {received} of {sum(lengths)} bytes for {what}")
         return pieces

@@ -75,7 +75,7 @@ from .errors import CachefsError
 from .fetcher import Fetcher
 from .metrics import Stats
 from .namespace import Inode, Namespace
-from .readahead import COALESCE_BLOCKS
+from .readahead import COALESCE_BLOCKS, logging_failure
 from .training_stats import TrainingStats
 
 log = logging.getLogger(__name__)
@@ -726,7 +726,7 @@ class Planner:
         assert self._nursery is not None
         self._inflight_blocks += len(run)
         self._scheduled.update(plan.block_key(entry) for entry, _position in run)
-        self._nursery.start_soon(self._prefetch_run, plan, run)
+        self._nursery.start_soon(logging_failure, self._prefetch_run, plan, run)
 
     async def _prefetch_run(self, plan: Plan, run: list[tuple[int, int]]) -> None:
         """Fetch a run of contiguous blocks (one request) for `plan`, at read-ahead priority."""

@@ -31,8 +31,8 @@ import collections
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import trio
 
@@ -277,6 +277,10 @@ class ReadAhead:
         """Whether a loader's plan covers the file (its prefetch then replaces these guesses)."""
         return self.planned is not None and self.planned(inode)
 
+    def _spawn(self, task: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Start a read-ahead task in the background (see logging_failure)."""
+        self._nursery.start_soon(logging_failure, task, *args)
+
     # -- background fill of randomly read files ------------------------------------
 
     def _note_random_read(self, inode: Inode) -> None:
@@ -293,7 +297,7 @@ class ReadAhead:
             return  # it would not fit beside the fills under way: it would only displace what is cached
         self._filling.add(inode.ino)
         self._fill_reserved += inode.size
-        self._nursery.start_soon(self._fill, inode)
+        self._spawn(self._fill, inode)
 
     async def _fill(self, inode: Inode) -> None:
         """Fetch every block of a file not cached, in runs, at read-ahead priority."""
@@ -373,7 +377,7 @@ class ReadAhead:
         for batch in self._batches(batchable):
             keys = [self._head(sibling) for sibling in batch]
             self._queued.update(keys)
-            self._nursery.start_soon(self._prefetch_batch, batch, keys)
+            self._spawn(self._prefetch_batch, batch, keys)
 
     def _page_in_small_files(self, files: list[Inode]) -> None:
         """Start reading cached small files into the page cache, in a worker thread: a walk's
@@ -448,7 +452,7 @@ class ReadAhead:
         if all(self._asked(key) for key in keys):
             return False
         self._queued.update(keys)
-        self._nursery.start_soon(self._prefetch_run, handle, first, stop, keys)
+        self._spawn(self._prefetch_run, handle, first, stop, keys)
         return True
 
     async def _prefetch_run(self, handle: OpenFile, first: int, stop: int, queued: list[BlockKey]) -> None:
@@ -479,6 +483,15 @@ class ReadAhead:
             if keys:
                 yield run_first, keys, lengths
             blockno += 1  # past the cached (or in-flight) block that ended the run
+
+
+async def logging_failure(task: Callable[..., Awaitable[None]], *args: Any) -> None:
+    """Await a prefetch task; an unexpected error is logged with its traceback and ends only
+    that task, never the mount (what it would have fetched is fetched on demand)."""
+    try:
+        await task(*args)
+    except Exception:
+        log.exception("prefetch task %s failed; reads go on without it", task.__qualname__)
 
 
 _Key = TypeVar("_Key")

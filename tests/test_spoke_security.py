@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import shutil
+import socket
 import stat
+import struct
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +21,15 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from hub_helpers import hub_env, running_hub
-from mount_helpers import SpokeMount, cache_data_files, cachefs_command, mounted_spoke, run_cachefs, wait_for_stats
+from mount_helpers import (
+    SpokeMount,
+    cache_data_files,
+    cachefs_command,
+    is_mounted,
+    mounted_spoke,
+    run_cachefs,
+    wait_for_stats,
+)
 from test_cli_errors import assert_clean_failure
 
 TOKEN = "s3cret-token-for-tests-0123456789"
@@ -119,6 +131,77 @@ def test_tls_is_verified_and_mutual_tls_works(dataset: Path, tmp_path: Path) -> 
         assert_clean_failure(untrusted, "failed TLS verification")
         no_client_cert = run_cachefs("mount", url, tmp_path / "m", "--cache-dir", tmp_path / "c2", "--ca-file", ca[2])
         assert_clean_failure(no_client_cert, "cannot get the manifest")
+
+
+class CuttingProxy:
+    """A TCP proxy on loopback that resets its first connection once `cut_after` bytes went
+    downstream on it (for TLS: in the middle of a response body, below the encryption)."""
+
+    def __init__(self, target_port: int, cut_after: int) -> None:
+        self.target_port = target_port
+        self.cut_after = cut_after
+        self.cuts = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._handle, args=(client,), daemon=True).start()
+
+    def _handle(self, client: socket.socket) -> None:
+        with client, socket.create_connection(("127.0.0.1", self.target_port)) as upstream:
+            threading.Thread(target=_pump, args=(client, upstream), daemon=True).start()
+            sent = 0
+            while data := _recv(upstream):
+                if self.cuts == 0 and sent + len(data) > self.cut_after:
+                    self.cuts += 1
+                    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST on close
+                    client.shutdown(socket.SHUT_RD)  # wakes the upstream pump, which holds the socket open
+                    return
+                client.sendall(data)
+                sent += len(data)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _recv(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(65536)
+    except OSError:
+        return b""
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := source.recv(65536):
+            sink.sendall(data)
+
+
+def test_a_tls_connection_cut_in_a_body_is_retried(dataset: Path, tmp_path: Path) -> None:
+    """Over TLS a connection reset in the middle of a response body is reported by trio's TLS
+    stream, not as an OSError: it is a failed attempt like any other, retried, the bytes right
+    and the mount still up (read-ahead and demand reads alike)."""
+    ca = make_ca(tmp_path, "test-ca")
+    server_cert, server_key = issue(tmp_path, ca, "hub", san_ip="127.0.0.1")
+    with running_hub(dataset, ["--tls-cert", str(server_cert), "--tls-key", str(server_key)]) as hub:
+        proxy = CuttingProxy(int(hub.url.rsplit(":", 1)[1]), cut_after=200 * 1024)  # past the manifest
+        try:
+            url = f"https://127.0.0.1:{proxy.port}"
+            with mounted_spoke(url, tmp_path, (*SPOKE_ARGS, "--ca-file", str(ca[2]))) as spoke:
+                for relative in ("shards/shard-000.bin", "shards/shard-001.bin"):
+                    assert (spoke.mountpoint / relative).read_bytes() == (dataset / relative).read_bytes()
+                stats = spoke.stats()
+                assert is_mounted(spoke.mountpoint)
+        finally:
+            proxy.close()
+    assert proxy.cuts == 1
+    assert stats["fetch_retries"] >= 1 and stats["fetch_failures"] == 0
 
 
 def test_certificate_for_another_name_is_refused(dataset: Path, tmp_path: Path) -> None:
