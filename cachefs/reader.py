@@ -19,6 +19,7 @@ from typing import TypeVar
 import trio
 
 from .cache import BlockCache, BlockData, BlockKey
+from .errors import HubError, RemoteFileChanged
 from .fetcher import Fetcher
 from .metrics import STALL_DURATION, Stats
 from .namespace import Inode
@@ -119,9 +120,12 @@ class Reader:
                 return await self._block_part(inode, first, offset - base, end - base)
             return _view(await self._block(inode, first), offset - base, end - base)
         parts: dict[int, BlockData] = {}
+        errors: list[HubError] = []
         async with trio.open_nursery() as nursery:
             for blockno in range(first, last + 1):
-                nursery.start_soon(self._block_into, inode, blockno, parts)
+                nursery.start_soon(self._block_into, inode, blockno, parts, errors)
+        if errors:  # the file changed on the hub, if any block says so; else the first failure
+            raise next((error for error in errors if isinstance(error, RemoteFileChanged)), errors[0])
         pieces = []
         for blockno in range(first, last + 1):
             base = blockno * self.block_size
@@ -129,8 +133,13 @@ class Reader:
             pieces.append(memoryview(parts[blockno])[lo:hi])
         return b"".join(pieces)
 
-    async def _block_into(self, inode: Inode, blockno: int, parts: dict[int, BlockData]) -> None:
-        parts[blockno] = await self._block(inode, blockno)
+    async def _block_into(self, inode: Inode, blockno: int, parts: dict[int, BlockData], errors: list[HubError]) -> None:
+        """One block of a read across several: a failure is kept, not raised, so the other
+        blocks' fetches (which other readers may be waiting for) go on."""
+        try:
+            parts[blockno] = await self._block(inode, blockno)
+        except HubError as exc:
+            errors.append(exc)
 
     async def _block(self, inode: Inode, blockno: int) -> BlockData:
         key = BlockKey(inode.file_id, inode.version, blockno)

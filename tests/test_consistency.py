@@ -47,7 +47,11 @@ def test_changed_file_is_refused_not_mixed_and_refresh_moves_on(dataset: Path, t
             with pytest.raises(OSError) as failure:
                 read_uncached(mounted_changed, 5 * TEST_BLOCK_SIZE, 100)
             assert failure.value.errno == errno.ESTALE
+            with pytest.raises(OSError) as failure:  # a read across two blocks, both refused
+                read_uncached(mounted_changed, 7 * TEST_BLOCK_SIZE - 4096, 8192)
+            assert failure.value.errno == errno.ESTALE
             assert "changed on the hub" in spoke.log_text()
+            assert "unexpected error" not in spoke.log_text()
             assert mounted_changed.stat().st_size == len(old_bytes)
 
             # The hub rescans on SIGUSR1 and publishes a new generation; refresh moves the mount to it.
