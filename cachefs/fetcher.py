@@ -160,9 +160,11 @@ class Fetcher:
         then retries on demand) and are not raised. `force_admission` (for
         operator warm-ups) caches the blocks even where the admission policy
         would prefer what the cache holds. Without `count_readahead` (plan
-        prefetch, which counts its own), readers' use is not counted as
-        read-ahead used. `on_fetched` gets each block's bytes as they arrive,
-        before the cache writer sees them (the planner holds them for readers).
+        prefetch, which counts its own; warm-ups), readers' use is not counted
+        as read-ahead used, nor is the block admitted as one read ahead
+        (BlockCache.insert_many). `on_fetched` gets each block's bytes as they
+        arrive, before the cache writer sees them (the planner holds them for
+        readers).
         """
         flights = self._prefetch_flights(keys, count_readahead)
         attempt = functools.partial(self._verified_range, keys[0], start, list(lengths))
@@ -320,9 +322,10 @@ class Fetcher:
                         break
                     batch_bytes += len(batch[-1][1])
                 kept = [item for item in batch if item[0] not in self._discarded]
+                ahead = {key for key, _data, _force in kept if key in self.prefetched}  # not read yet
                 try:
                     if kept:
-                        await trio.to_thread.run_sync(self._cache.insert_many, kept)
+                        await trio.to_thread.run_sync(self._cache.insert_many, kept, ahead)
                 finally:
                     for key, _data, _force in batch:
                         self._flights.pop(key, None)

@@ -56,6 +56,19 @@ def test_a_block_used_no_more_often_than_the_oldest_is_not_admitted(cache: Block
     assert cached(cache) == {0, 1, 2, 3}
 
 
+def test_a_block_read_ahead_counts_the_read_on_its_way(cache: BlockCache) -> None:
+    """A block fetched ahead of its first read (read-ahead) is weighed as its reader's fetch
+    would be: the sketch only counts that read once it happens. Against a victim nobody read
+    lately it gets in; without it, the reader would fetch it a second time to get it in."""
+    fill(cache, [0, 1, 2, 3])  # never read: estimate 0, like blocks whose counts aged away
+    assert cache.insert_many([(key(8), data(8), False)]) == 0  # 0 > 0: no
+    assert cache.insert_many([(key(9), data(9), False)], ahead={key(9)}) == 1
+    assert cached(cache) == {1, 2, 3, 9}
+    cache.sketch.record(key(1))
+    assert cache.insert_many([(key(10), data(10), False)], ahead={key(10)}) == 0  # 1 > 1: no, like its reader's
+    assert cached(cache) == {1, 2, 3, 9}
+
+
 def test_a_popular_old_block_does_not_freeze_the_cache(cache: BlockCache) -> None:
     """A block refused by the oldest one is not offered the same victim again: the next
     block is weighed against the next oldest, so new blocks still get in."""

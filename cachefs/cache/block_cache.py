@@ -9,7 +9,7 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from pathlib import Path
 
 import lmdb
@@ -167,13 +167,18 @@ class BlockCache:
 
     # -- inserts, admission, eviction -------------------------------------------
 
-    def insert_many(self, blocks: list[tuple[BlockKey, BlockData, bool]]) -> int:
+    def insert_many(self, blocks: list[tuple[BlockKey, BlockData, bool]], ahead: Container[BlockKey] = ()) -> int:
         """Store blocks (worker thread): admit, write the files, then commit
         their index entries together. Returns how many were cached; a block
         that cannot be written (e.g. ENOSPC) is skipped and logged once. The
-        flag of each block forces its admission (operator warm-ups)."""
+        flag of each block forces its admission (operator warm-ups). Blocks
+        in `ahead` were fetched ahead of their first read (read-ahead): the
+        admission policy counts that read, which the frequency sketch only
+        records when it happens, so they are weighed as their reader's fetch
+        would be (else on a full cache every block read ahead lost its place
+        and was fetched a second time by its reader)."""
         with self._lock:
-            admitted = self._admit(blocks)
+            admitted = self._admit(blocks, ahead)
             written = []
             for key, data in admitted:
                 try:
@@ -193,7 +198,9 @@ class BlockCache:
                 return 0
         return len(written)
 
-    def _admit(self, blocks: list[tuple[BlockKey, BlockData, bool]]) -> list[tuple[BlockKey, BlockData]]:
+    def _admit(
+        self, blocks: list[tuple[BlockKey, BlockData, bool]], ahead: Container[BlockKey]
+    ) -> list[tuple[BlockKey, BlockData]]:
         """The blocks that get a place, after evicting what they displace."""
         free = self._limit_bytes() - self.index.used_bytes()
         victims: Victims = _OldestVictims(self)
@@ -207,7 +214,7 @@ class BlockCache:
                 if victim is None:
                     break
                 victim_key, victim_length = victim
-                if not forced and not victims.displaces(key, victim_key):
+                if not forced and not victims.displaces(key, victim_key, key in ahead):
                     victims.refused()
                     break
                 victims.take()
@@ -446,8 +453,8 @@ class _OldestVictims:
             self._current = next(self._oldest, None)
         return self._current
 
-    def displaces(self, key: BlockKey, victim: BlockKey) -> bool:
-        return self._sketch.estimate(key) > self._sketch.estimate(victim)
+    def displaces(self, key: BlockKey, victim: BlockKey, ahead: bool = False) -> bool:
+        return self._sketch.estimate(key) + ahead > self._sketch.estimate(victim)
 
     def take(self) -> None:
         self._current = None

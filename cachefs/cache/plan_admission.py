@@ -67,8 +67,9 @@ class Victims(Protocol):
         """(key, length) of the best victim, without taking it; None if there is none."""
         ...
 
-    def displaces(self, key: BlockKey, victim: BlockKey) -> bool:
-        """Whether `key` deserves the victim's place."""
+    def displaces(self, key: BlockKey, victim: BlockKey, ahead: bool = False) -> bool:
+        """Whether `key` deserves the victim's place (`ahead`: fetched before its first read,
+        which counts as read once more: the read is on its way)."""
         ...
 
     def take(self) -> None:
@@ -108,7 +109,7 @@ class PlanVictims:
         _negative_distance, _frequency, _seq, key, length, _hint = self._heap[0]
         return key, length
 
-    def displaces(self, key: BlockKey, victim: BlockKey) -> bool:
+    def displaces(self, key: BlockKey, victim: BlockKey, ahead: bool = False) -> bool:
         """Belady: needed sooner than the victim; if neither is planned again, TinyLFU."""
         if self._offered is None or self._offered[0] != key:
             self._offered = (key, self._advisor.distance(key))
@@ -116,7 +117,7 @@ class PlanVictims:
         if distance < victim_distance:
             return True
         if distance == victim_distance == INFINITE:
-            return self._cache.sketch.estimate(key) > self._cache.sketch.estimate(victim)
+            return self._cache.sketch.estimate(key) + ahead > self._cache.sketch.estimate(victim)
         return False  # the victim is needed again, the block offered is not needed sooner
 
     def take(self) -> None:
