@@ -249,7 +249,7 @@ class _WarmJob:
                 lengths = [length for _key, _start, length in pending]
                 keys = [k for k, _s, _l in pending]
                 self._fetched_keys.update(keys)
-                fetched = await fetcher.prefetch(keys, pending[0][1], lengths, force_admission=True)
+                fetched = await fetcher.prefetch(keys, pending[0][1], lengths, force_admission=True, count_readahead=False)
                 ok &= fetched
                 if fetched:
                     self.fetched_bytes += sum(lengths)
