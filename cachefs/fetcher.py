@@ -283,9 +283,17 @@ class Fetcher:
         cache writer, as its room allows: readers never wait for the disk."""
         for key, flight, data in zip(keys, flights, pieces, strict=True):
             self._hand_over(key, flight, data, on_fetched)
-        for key, data in zip(keys, pieces, strict=True):
-            await self._write_room.take(len(data))
-            self._write_send.send_nowait((key, data, force_admission))
+        queued = 0
+        try:
+            for key, data in zip(keys, pieces, strict=True):
+                await self._write_room.take(len(data))
+                self._write_send.send_nowait((key, data, force_admission))
+                queued += 1
+        except BaseException:  # cancelled while waiting for room: the rest are not cached, nor in flight
+            for key, flight in zip(keys[queued:], flights[queued:], strict=True):
+                if self._flights.get(key) is flight:
+                    del self._flights[key]
+            raise
 
     @staticmethod
     def _hand_over(
@@ -307,6 +315,7 @@ class Fetcher:
                 flight.done.set()
             if self._flights.get(key) is flight:
                 del self._flights[key]
+                self._discarded.discard(key)  # an evict meant this flight's bytes, not the next fetch's
 
     async def run_writer(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Background task: commit fetched blocks to the cache in batches."""

@@ -1,0 +1,85 @@
+"""The fetcher's flights on unusual paths, against a real hub: a fetch cancelled while it waits
+for the cache writer's room, an evict that meets a fetch which then fails."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+from cache_helpers import block_cache
+from fault_proxy import running_fault_proxy
+from hub_helpers import running_hub
+from test_hub_checksums import manifest_files
+
+from cachefs.cache import BlockCache, BlockKey
+from cachefs.config import parse_hub_url
+from cachefs.fetcher import WRITE_QUEUE_BYTES, Fetcher
+from cachefs.hub_client import HubClient
+from cachefs.metrics import Stats
+
+BLOCK = 1 << 20
+BLOCKS = WRITE_QUEUE_BYTES // BLOCK + 8  # more than the writer's room holds
+
+
+@pytest.fixture(scope="module")
+def big_file_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict]]:
+    root = tmp_path_factory.mktemp("hub-data")
+    (root / "big.bin").write_bytes(os.urandom(BLOCKS * BLOCK))
+    with running_hub(root) as hub:
+        yield hub.url, manifest_files(hub.url)["big.bin"]
+
+
+def fetcher_for(url: str, cache: BlockCache) -> Fetcher:
+    client = HubClient(parse_hub_url(url), max_connections=8, connect_timeout_s=5, read_timeout_s=5)
+    return Fetcher(client, cache, Stats(), fetch_timeout_s=10, prefetch_connections=4, block_size=BLOCK)
+
+
+def block_keys(entry: dict, count: int) -> list[BlockKey]:
+    return [BlockKey(bytes.fromhex(entry["i"]), bytes.fromhex(entry["v"]), blockno) for blockno in range(count)]
+
+
+@pytest.mark.trio
+async def test_a_prefetch_cancelled_waiting_for_the_writer_leaves_no_flight(
+    big_file_hub: tuple[str, dict], tmp_path: Path
+) -> None:
+    """Its blocks beyond the writer's room are neither cached nor left "in flight" forever
+    (read-ahead would skip them and a warm-up would count them cached)."""
+    url, entry = big_file_hub
+    keys = block_keys(entry, BLOCKS)
+    with block_cache(tmp_path, 4 * BLOCKS * BLOCK, BLOCK) as cache:
+        fetcher = fetcher_for(url, cache)  # no writer runs: its room fills and stays full
+        with trio.move_on_after(5) as scope:
+            await fetcher.prefetch(keys, 0, [BLOCK] * BLOCKS)
+        assert scope.cancelled_caught  # it waited for room
+        queued = WRITE_QUEUE_BYTES // BLOCK
+        assert all(fetcher.flight(key) is not None for key in keys[:queued])  # on their way to the writer
+        assert [key.blockno for key in keys[queued:] if fetcher.flight(key) is not None] == []
+
+
+@pytest.mark.trio
+async def test_an_evict_during_a_fetch_that_fails_spares_the_next_fetch(
+    big_file_hub: tuple[str, dict], tmp_path: Path
+) -> None:
+    """`cachefs evict` drops the bytes of fetches under way; when such a fetch fails instead,
+    the next fetch of the block is cached as usual."""
+    url, entry = big_file_hub
+    key = block_keys(entry, 1)[0]
+    with block_cache(tmp_path, 4 * BLOCK, BLOCK) as cache, running_fault_proxy(url, 0.0, delay_s=1.0) as slow:
+        fetcher = fetcher_for(slow.url, cache)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fetcher.fetch, key, 0, BLOCK)
+            await trio.testing.wait_all_tasks_blocked()  # its request is out, its answer held a second
+            flight = fetcher.flight(key)
+            assert flight is not None and not flight.done.is_set()
+            fetcher.discard_pending(lambda k: k == key)  # what evict does
+            nursery.cancel_scope.cancel()  # the fetch fails
+        async with trio.open_nursery() as nursery:
+            await nursery.start(fetcher.run_writer)
+            await fetcher.fetch(key, 0, BLOCK)
+            await fetcher.written({key}, timeout_s=10)
+            nursery.cancel_scope.cancel()
+        assert cache.contains(key)
