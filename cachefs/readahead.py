@@ -208,10 +208,12 @@ class ReadAhead:
         overflow = last_block + 1 + handle.window_blocks - handle.inode.block_count(self.block_size)
         if overflow > 0:
             self._read_ahead_next_file(handle, overflow)
-        target = min(last_block + 1 + handle.window_blocks, handle.inode.block_count(self.block_size))
+        block_count = handle.inode.block_count(self.block_size)
+        target = min(last_block + 1 + handle.window_blocks, block_count)
         start = max(last_block + 1, handle.prefetched_until)
-        # Ask in whole runs, as soon as a run's worth of the window is free.
-        if target - start < min(COALESCE_BLOCKS, handle.window_blocks):
+        # Ask in whole runs, as soon as a run's worth of the window is free (the file's last
+        # blocks as soon as the window reaches its end: no whole run of them may be left).
+        if start >= target or (target - start < min(COALESCE_BLOCKS, handle.window_blocks) and target < block_count):
             return
         self._ask_runs(handle, start, target)
 

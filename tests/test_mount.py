@@ -470,6 +470,21 @@ def test_a_stream_from_the_first_byte_starts_read_ahead_with_the_second_read(hub
         wait_for_stats(spoke, lambda stats: stats["readahead_fetches"] >= 16)
 
 
+def test_read_ahead_reaches_the_last_blocks_of_a_file(tmp_path: Path) -> None:
+    """A stream's window asks in whole runs of blocks, but the file's last few (fewer than a
+    run) are asked for too once the window reaches the end: a 37-block file read block by
+    block misses only its first two reads (before the stream is known)."""
+    root, sources = _write_shards(tmp_path / "data", 1, 37)
+    with running_hub(root) as hub, mounted_spoke(hub.url, tmp_path, SPOKE_ARGS) as spoke:
+        fd = os.open(spoke.mountpoint / "shards" / "part-0.bin", os.O_RDONLY | os.O_DIRECT)
+        try:  # single-block reads, each reaching the daemon
+            read = b"".join(os.pread(fd, TEST_BLOCK_SIZE, blockno * TEST_BLOCK_SIZE) for blockno in range(37))
+        finally:
+            os.close(fd)
+        assert read == sources[0]
+        assert spoke.stats()["block_misses"] == 2
+
+
 def _write_shards(root: Path, count: int, blocks: int) -> tuple[Path, list[bytes]]:
     """`count` files of `blocks` test blocks of random bytes under root/shards; returns root and their bytes."""
     (root / "shards").mkdir(parents=True)
