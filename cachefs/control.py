@@ -111,10 +111,10 @@ class ControlServer:
                 reply: dict[str, Any] = {"ok": True, "result": result}
             except CachefsError as exc:
                 reply = {"ok": False, "error": str(exc)}
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                log.info("control client went away; command cancelled")
-                return
-            except Exception:
+            except Exception as exc:
+                if _client_went_away(exc):
+                    log.info("control client went away; command cancelled")
+                    return
                 log.exception("control command failed")
                 reply = {"ok": False, "error": "internal error; see the daemon log"}
             try:
@@ -182,3 +182,11 @@ def call(
                     raise CachefsError(message.get("error", "the daemon refused the command"))
                 return message.get("result", {})
     raise CachefsError("the daemon closed the connection without an answer")
+
+
+def _client_went_away(exc: BaseException) -> bool:
+    """Whether a command failed only because its client closed the connection (also when the
+    error comes out of a command's nursery, in an exception group)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_client_went_away(inner) for inner in exc.exceptions)
+    return isinstance(exc, (trio.BrokenResourceError, trio.ClosedResourceError))
