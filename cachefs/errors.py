@@ -19,6 +19,11 @@ class HubUnavailable(HubError):
     """Could not connect, or the connection broke or timed out (retryable)."""
 
 
+class FetchAbandoned(HubUnavailable):
+    """The task fetching a block went away (cancelled) before its bytes came: readers that
+    were waiting for that fetch fetch the block themselves."""
+
+
 class HubProtocolError(HubError):
     """The hub answered something malformed or truncated (retryable)."""
 

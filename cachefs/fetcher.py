@@ -35,7 +35,15 @@ import xxhash
 
 from .cache import BlockCache, BlockData, BlockKey
 from .checksums import BlockChecksums
-from .errors import BatchUnsupported, HubError, HubProtocolError, HubStatusError, HubUnavailable, RemoteFileChanged
+from .errors import (
+    BatchUnsupported,
+    FetchAbandoned,
+    HubError,
+    HubProtocolError,
+    HubStatusError,
+    HubUnavailable,
+    RemoteFileChanged,
+)
 from .hub_client import HubClient
 from .metrics import FETCH_DURATION, Stats
 
@@ -79,7 +87,7 @@ class _ByteBudget:
         self._room = trio.Event()
 
 
-class _Flight:
+class Flight:
     """One block being fetched (and then written); waiters use `done`."""
 
     def __init__(self) -> None:
@@ -116,7 +124,7 @@ class Fetcher:
         self._cache = cache
         self._stats = stats
         self._fetch_timeout_s = fetch_timeout_s
-        self._flights: dict[BlockKey, _Flight] = {}
+        self._flights: dict[BlockKey, Flight] = {}
         self._discarded: set[BlockKey] = set()
         self._batch_written = trio.Event()  # set (and replaced) after each committed batch
         self.requests_in_flight = 0
@@ -129,16 +137,20 @@ class Fetcher:
         self._write_room = _ByteBudget(WRITE_QUEUE_BYTES)
         self._write_send, self._write_receive = trio.open_memory_channel[tuple[BlockKey, BlockData, bool]](math.inf)
 
-    def flight(self, key: BlockKey) -> _Flight | None:
+    def flight(self, key: BlockKey) -> Flight | None:
         """The block's flight if it is being fetched or written."""
         return self._flights.get(key)
 
     async def fetch(self, key: BlockKey, start: int, length: int) -> BlockData:
-        """A demand miss: the block's bytes (raises HubError when they cannot be had in time)."""
+        """A demand miss: the block's bytes (raises HubError when they cannot be had in time).
+        A fetch of it under way is waited for, unless its task goes away: then it is fetched again."""
         flight = self._flights.get(key)
-        if flight is not None:
-            return await flight.result()
-        flight = self._flights[key] = _Flight()
+        while flight is not None:
+            try:
+                return await flight.result()
+            except FetchAbandoned:
+                flight = self._flights.get(key)  # another reader may have started it again
+        flight = self._flights[key] = Flight()
         await self._run([key], [flight], functools.partial(self._verified_range, key, start, [length]))
         return await flight.result()
 
@@ -192,7 +204,7 @@ class Fetcher:
                 self.batches = False
         failed: list[BlockKey] = []
 
-        async def one_file(key: BlockKey, flight: _Flight, length: int) -> None:
+        async def one_file(key: BlockKey, flight: Flight, length: int) -> None:
             attempt = functools.partial(self._verified_range, key, 0, [length])
             if not await self._run([key], [flight], attempt, on_fetched=self._hold_unread):
                 failed.append(key)
@@ -202,13 +214,13 @@ class Fetcher:
                 nursery.start_soon(one_file, key, flight, length)
         return not failed
 
-    def _prefetch_flights(self, keys: Sequence[BlockKey], count_readahead: bool) -> list[_Flight]:
+    def _prefetch_flights(self, keys: Sequence[BlockKey], count_readahead: bool) -> list[Flight]:
         """New flights for blocks read-ahead is about to fetch."""
         flights = []
         for key in keys:
             if key in self._flights:
                 raise ValueError(f"{key} is already in flight")
-            flights.append(self._flights.setdefault(key, _Flight()))
+            flights.append(self._flights.setdefault(key, Flight()))
             if count_readahead:
                 self.prefetched[key] = None
         while len(self.prefetched) > PREFETCHED_REMEMBERED:
@@ -247,7 +259,7 @@ class Fetcher:
     async def _run(
         self,
         keys: list[BlockKey],
-        flights: list[_Flight],
+        flights: list[Flight],
         attempt: Callable[[], Awaitable[list[bytearray]]],
         force_admission: bool = False,
         on_fetched: Callable[[BlockKey, BlockData], None] | None = None,
@@ -266,7 +278,7 @@ class Fetcher:
             self._fail(keys, flights, exc)
             return False
         except BaseException:
-            self._fail(keys, flights, HubUnavailable(f"fetch of {keys[0]} was cancelled"))
+            self._fail(keys, flights, FetchAbandoned(f"fetch of {keys[0]} was cancelled"))
             raise
         await self._settle(keys, flights, pieces, force_admission, on_fetched)
         return True
@@ -274,7 +286,7 @@ class Fetcher:
     async def _settle(
         self,
         keys: list[BlockKey],
-        flights: list[_Flight],
+        flights: list[Flight],
         pieces: list[bytearray],
         force_admission: bool = False,
         on_fetched: Callable[[BlockKey, BlockData], None] | None = None,
@@ -297,7 +309,7 @@ class Fetcher:
 
     @staticmethod
     def _hand_over(
-        key: BlockKey, flight: _Flight, data: BlockData, on_fetched: Callable[[BlockKey, BlockData], None] | None
+        key: BlockKey, flight: Flight, data: BlockData, on_fetched: Callable[[BlockKey, BlockData], None] | None
     ) -> None:
         """A block's verified bytes to whoever waits for it, once."""
         if flight.done.is_set():
@@ -307,7 +319,7 @@ class Fetcher:
         if on_fetched is not None:
             on_fetched(key, data)
 
-    def _fail(self, keys: list[BlockKey], flights: list[_Flight], error: HubError) -> None:
+    def _fail(self, keys: list[BlockKey], flights: list[Flight], error: HubError) -> None:
         """End flights without a result (a flight handed its bytes over already keeps them, uncached)."""
         for key, flight in zip(keys, flights, strict=True):
             if not flight.done.is_set():
@@ -376,7 +388,7 @@ class Fetcher:
         return pieces
 
     async def _verified_batch(
-        self, keys: Sequence[BlockKey], lengths: Sequence[int], flights: Sequence[_Flight]
+        self, keys: Sequence[BlockKey], lengths: Sequence[int], flights: Sequence[Flight]
     ) -> list[bytearray]:
         """One attempt at a batch of whole small files, each checked against the hub's checksum
         and handed to its waiters as soon as it has arrived (not after the whole batch)."""

@@ -19,8 +19,8 @@ from typing import TypeVar
 import trio
 
 from .cache import BlockCache, BlockData, BlockKey
-from .errors import HubError, RemoteFileChanged
-from .fetcher import Fetcher
+from .errors import FetchAbandoned, HubError, RemoteFileChanged
+from .fetcher import Fetcher, Flight
 from .metrics import STALL_DURATION, Stats
 from .namespace import Inode
 from .readahead import SEQUENTIAL_THRESHOLD, OpenFile, ReadAhead
@@ -184,11 +184,11 @@ class Reader:
             flight = self._fetcher.flight(key)
             if flight is not None:
                 if flight.done.is_set():
-                    data = await flight.result()  # fetched, being written: no second request
+                    data = await _joined(flight)  # fetched, being written: no second request
                 else:
                     started = trio.current_time()
                     try:
-                        data = await flight.result()  # being fetched: wait for it, no second request
+                        data = await _joined(flight)  # being fetched: wait for it, no second request
                     finally:
                         self._note_stall(trio.current_time() - started)
             else:
@@ -233,6 +233,15 @@ class Reader:
         self._stats.stall_seconds += waited_s
         self._stats.stalled_blocks += 1
         STALL_DURATION.observe(waited_s)
+
+
+async def _joined(flight: Flight) -> BlockData | None:
+    """The bytes of a fetch under way; None if its task went away first (the caller then
+    fetches the block itself: a cancelled warm-up or prefetch never fails its readers)."""
+    try:
+        return await flight.result()
+    except FetchAbandoned:
+        return None
 
 
 def _view(data: BlockData, start: int, stop: int) -> bytes | memoryview:

@@ -11,8 +11,17 @@ from pathlib import Path
 import pytest
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE, source_files
+from fault_proxy import running_fault_proxy
 from hub_helpers import running_hub
-from mount_helpers import SpokeMount, cache_data_files, cache_disk_bytes, mounted_spoke, run_cachefs, wait_for_stats
+from mount_helpers import (
+    SpokeMount,
+    cache_data_files,
+    cache_disk_bytes,
+    cachefs_command,
+    mounted_spoke,
+    run_cachefs,
+    wait_for_stats,
+)
 from test_mount import read_uncached
 
 # No read-ahead: every block a test reads is a demand access it can count.
@@ -91,6 +100,32 @@ def test_warm_then_hub_down_serves_every_warmed_byte(dataset: Path, tmp_path: Pa
         assert spoke.stats()["fetch_failures"] == 0
         again = run_cachefs("warm", spoke.mountpoint / "small")
         assert again.returncode == 0 and "0 B fetched" in again.stdout  # resumable: nothing left to fetch
+
+
+def test_a_warm_up_stopped_mid_fetch_leaves_its_readers_their_bytes(dataset: Path, tmp_path: Path) -> None:
+    """A reader waiting for a block a warm-up is fetching still gets it when the warm-up's
+    client goes away (Ctrl-C) and the daemon cancels its fetches: it fetches the block itself."""
+    relative = "shards/shard-000.bin"
+    source = (dataset / relative).read_bytes()
+    with running_hub(dataset) as hub, running_fault_proxy(hub.url, 0.0, delay_s=4.0) as slow:
+        with mounted_spoke(slow.url, tmp_path, PLAIN_ARGS) as spoke:
+            warm = subprocess.Popen(cachefs_command("warm", spoke.mountpoint / relative), stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+            try:
+                wait_for_stats(spoke, lambda _stats: slow.data_in_flight > 0)  # its requests are held
+                got: list[bytes] = []
+                path = spoke.mountpoint / relative
+                reader = threading.Thread(target=lambda: got.append(read_uncached(path, 0, TEST_BLOCK_SIZE)))
+                reader.start()
+                wait_for_stats(spoke, lambda stats: stats["reads"] >= 1)  # it waits for the warm-up's fetch
+            finally:
+                warm.kill()
+                warm.wait(timeout=10)
+            reader.join(timeout=30)
+            assert got == [source[:TEST_BLOCK_SIZE]]
+            assert "control client went away; command cancelled" in spoke.log_text()  # while the reader waited
+            stats = spoke.stats()
+            assert stats["fuse_errors"] == {} and stats["fetch_failures"] == 0  # not even the kernel's readahead
 
 
 def test_pinned_files_survive_pressure_and_restart(dataset: Path, tmp_path: Path) -> None:
