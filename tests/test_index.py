@@ -1,4 +1,4 @@
-"""The block index on a real LMDB in a temp dir: paging in one file version's entries."""
+"""The block index on a real LMDB in a temp dir: paging in one file version's entries, entries that change under a read."""
 
 from __future__ import annotations
 
@@ -31,3 +31,23 @@ def test_page_in_reads_exactly_the_entries_of_one_file_version(cache: BlockCache
     assert cache.index.page_in(NEXT_FILE_ID, VERSION) == 3
     assert cache.index.page_in(b"\x09" * 8, VERSION) == 0
     cache.page_in_index(FILE_ID, VERSION)  # the best-effort form the read-ahead calls: no error
+
+
+def test_a_block_evicted_while_it_is_read_is_a_miss_not_corruption(cache: BlockCache) -> None:
+    """A reader looks up a block's entry, then reads its bytes (in a worker thread, perhaps after
+    waiting for one); the cache writer may evict the block in between. That read finds a hole:
+    a plain miss, not a corrupt block (no warning, no count; a real corruption still is one)."""
+    key = BlockKey(FILE_ID, VERSION, 0)
+    assert cache.insert_many([(key, b"\x07" * BLOCK, True)]) == 1
+    entry = cache.entry(key)
+    assert entry is not None
+    cache.remove(key)  # what an eviction does meanwhile
+    assert cache.read(key, entry) is None
+    assert cache._stats.corrupt_blocks == 0
+    assert cache.insert_many([(key, b"\x07" * BLOCK, True)]) == 1
+    entry = cache.entry(key)
+    assert entry is not None
+    with open(cache.store.path(FILE_ID, VERSION), "r+b") as data_file:
+        data_file.write(b"\x08")  # a bit flipped on disk
+    assert cache.read(key, entry) is None
+    assert cache._stats.corrupt_blocks == 1 and not cache.contains(key)

@@ -156,6 +156,9 @@ class BlockCache:
             log.warning("cannot read cached %s: %s", key, exc)
             data = None
         if data is None or chunk_sums(data) != _sums_of_range(entry, start, len(data)):
+            current = self.index.get(key)
+            if current is None or current.seq != entry.seq:
+                return None  # evicted (or replaced) while it was being read: a plain miss
             log.warning("cached %s is missing or corrupt; dropping it", key)
             self._stats.corrupt_blocks += 1
             self.remove(key)
