@@ -303,8 +303,7 @@ class Fetcher:
                 queued += 1
         except BaseException:  # cancelled while waiting for room: the rest are not cached, nor in flight
             for key, flight in zip(keys[queued:], flights[queued:], strict=True):
-                if self._flights.get(key) is flight:
-                    del self._flights[key]
+                self._forget(key, flight)
             raise
 
     @staticmethod
@@ -325,9 +324,14 @@ class Fetcher:
             if not flight.done.is_set():
                 flight.error = error
                 flight.done.set()
-            if self._flights.get(key) is flight:
-                del self._flights[key]
-                self._discarded.discard(key)  # an evict meant this flight's bytes, not the next fetch's
+            self._forget(key, flight)
+
+    def _forget(self, key: BlockKey, flight: Flight) -> None:
+        """A flight that will not reach the cache writer (failed, or cancelled before its turn):
+        the next fetch of its block starts afresh, and an evict's mark meant this one's bytes."""
+        if self._flights.get(key) is flight:
+            del self._flights[key]
+            self._discarded.discard(key)
 
     async def run_writer(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Background task: commit fetched blocks to the cache in batches."""
