@@ -292,7 +292,9 @@ class Fetcher:
         on_fetched: Callable[[BlockKey, BlockData], None] | None = None,
     ) -> None:
         """Hand fetched blocks to their waiters (those not handed over already), then to the
-        cache writer, as its room allows: readers never wait for the disk."""
+        cache writer, as its room allows: readers waiting for a flight never wait for the disk;
+        the task that fetched it does (back-pressure: fetching never runs more than
+        WRITE_QUEUE_BYTES ahead of the cache's disk, which bounds the memory they hold)."""
         for key, flight, data in zip(keys, flights, pieces, strict=True):
             self._hand_over(key, flight, data, on_fetched)
         queued = 0
