@@ -331,7 +331,10 @@ class ReadAhead:
         """On open of a large file, bring its index entries into memory in a worker thread."""
         if inode.size <= self.block_size or not self._page_in_due(inode, trio.current_time()):
             return
-        page_in = functools.partial(self._cache.page_in_index, inode.file_id, inode.version)
+        self._in_worker_thread(functools.partial(self._cache.page_in_index, inode.file_id, inode.version))
+
+    def _in_worker_thread(self, page_in: Callable[[], object]) -> None:
+        """Run a best-effort page-in in a worker thread, in the background (abandoned at unmount)."""
         self._nursery.start_soon(functools.partial(trio.to_thread.run_sync, page_in, abandon_on_cancel=True))
 
     def _page_in_due(self, inode: Inode, now: float) -> bool:
@@ -367,7 +370,7 @@ class ReadAhead:
                 head = self._head(sibling)
                 if self._cache.contains(head):
                     cached.append(sibling)
-                elif head not in self._queued and self._fetcher.flight(head) is None:
+                elif not self._asked(head):
                     wanted.append(sibling)
         self._page_in_small_files(cached)
         batchable: list[Inode] = []
@@ -388,8 +391,7 @@ class ReadAhead:
         now = trio.current_time()
         fresh = [(inode.file_id, inode.version, inode.size) for inode in files if self._page_in_due(inode, now)]
         if fresh:
-            page_in = functools.partial(self._cache.page_in_files, fresh)
-            self._nursery.start_soon(functools.partial(trio.to_thread.run_sync, page_in, abandon_on_cancel=True))
+            self._in_worker_thread(functools.partial(self._cache.page_in_files, fresh))
 
     @staticmethod
     def _covered(followers: list[Inode]) -> list[Inode]:
