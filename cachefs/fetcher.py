@@ -141,18 +141,46 @@ class Fetcher:
         """The block's flight if it is being fetched or written."""
         return self._flights.get(key)
 
-    async def fetch(self, key: BlockKey, start: int, length: int) -> BlockData:
-        """A demand miss: the block's bytes (raises HubError when they cannot be had in time).
-        A fetch of it under way is waited for, unless its task goes away: then it is fetched again."""
+    def deadline(self) -> float:
+        """When a read that starts waiting now gives up (`fetch_timeout_s` from now, trio's clock)."""
+        return trio.current_time() + self._fetch_timeout_s
+
+    async def fetch(self, key: BlockKey, start: int, length: int, deadline: float | None = None) -> BlockData:
+        """A demand miss: the block's bytes (raises HubError when they cannot be had by
+        `deadline`, by default `fetch_timeout_s` from now). A fetch of it under way is
+        joined (see `join`); when that ends without the bytes, it is fetched again."""
+        if deadline is None:
+            deadline = self.deadline()
         flight = self._flights.get(key)
         while flight is not None:
-            try:
-                return await flight.result()
-            except FetchAbandoned:
-                flight = self._flights.get(key)  # another reader may have started it again
+            data = await self.join(flight, deadline)
+            if data is not None:
+                return data
+            flight = self._flights.get(key)  # another reader may have started it again
         flight = self._flights[key] = Flight()
-        await self._run([key], [flight], functools.partial(self._verified_range, key, start, [length]))
+        attempt = functools.partial(self._verified_range, key, start, [length])
+        await self._run([key], [flight], attempt, deadline=deadline)
         return await flight.result()
+
+    @staticmethod
+    async def join(flight: Flight, deadline: float) -> BlockData | None:
+        """The bytes of a fetch under way, for a reader that must have them by `deadline`.
+
+        None when the reader should fetch the block itself: the fetch's task
+        went away (a cancelled warm-up or prefetch never fails its readers), or
+        the fetch gave up on a passing failure (hub down, timeouts, 5xx) while
+        the reader's own time is not over: a read that joins a fetch late gets
+        its whole fetch timeout, not what was left of that fetch's. A changed
+        file or a refused request fails the reader at once.
+        """
+        try:
+            return await flight.result()
+        except FetchAbandoned:
+            return None
+        except HubError as exc:
+            if _passing(exc) and deadline - trio.current_time() >= FIRST_BACKOFF_S:
+                return None
+            raise
 
     async def prefetch(
         self,
@@ -264,14 +292,16 @@ class Fetcher:
         force_admission: bool = False,
         on_fetched: Callable[[BlockKey, BlockData], None] | None = None,
         unsettled_on: tuple[type[HubError], ...] = (),
+        deadline: float | None = None,
     ) -> bool:
-        """Fetch `keys` with `attempt` (retried) and settle their flights; False on failure.
+        """Fetch `keys` with `attempt` (retried until `deadline`, by default `fetch_timeout_s`
+        from now) and settle their flights; False on failure.
 
         The errors of `unsettled_on` are raised with the flights left open, for
         a caller that fetches the blocks another way.
         """
         try:
-            pieces = await self._fetch_with_retries(keys[0], attempt)
+            pieces = await self._fetch_with_retries(keys[0], attempt, deadline)
         except unsettled_on:
             raise
         except HubError as exc:
@@ -435,10 +465,12 @@ class Fetcher:
         return results["pieces"][0], results["sums"]
 
     async def _fetch_with_retries(
-        self, key: BlockKey, attempt_once: Callable[[], Awaitable[list[bytearray]]]
+        self, key: BlockKey, attempt_once: Callable[[], Awaitable[list[bytearray]]], deadline: float | None = None
     ) -> list[bytearray]:
-        """`attempt_once()` until it succeeds or `fetch_timeout_s` has passed (`key` names it in logs)."""
-        deadline = trio.current_time() + self._fetch_timeout_s
+        """`attempt_once()` until it succeeds or `deadline` (by default `fetch_timeout_s` from
+        now) has passed (`key` names it in logs)."""
+        if deadline is None:
+            deadline = self.deadline()
         backoff_s = FIRST_BACKOFF_S
         attempt = 0
         while True:
@@ -482,3 +514,10 @@ class Fetcher:
             self._stats.fetch_retries += 1
             await trio.sleep(pause_s)
             backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
+
+
+def _passing(error: HubError) -> bool:
+    """Whether a failure may be gone on a later try (the ones fetches retry)."""
+    if isinstance(error, HubStatusError):
+        return error.retryable
+    return isinstance(error, (HubUnavailable, HubProtocolError))

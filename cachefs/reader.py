@@ -19,8 +19,8 @@ from typing import TypeVar
 import trio
 
 from .cache import BlockCache, BlockData, BlockKey
-from .errors import FetchAbandoned, HubError, RemoteFileChanged
-from .fetcher import Fetcher, Flight
+from .errors import HubError, RemoteFileChanged
+from .fetcher import Fetcher
 from .metrics import STALL_DURATION, Stats
 from .namespace import Inode
 from .readahead import SEQUENTIAL_THRESHOLD, OpenFile, ReadAhead
@@ -180,15 +180,16 @@ class Reader:
         if data is None and planned is not None:
             data = planned
             self._memory.put(key, data)
+        deadline = self._fetcher.deadline()
         if data is None:
             flight = self._fetcher.flight(key)
             if flight is not None:
                 if flight.done.is_set():
-                    data = await _joined(flight)  # fetched, being written: no second request
+                    data = await self._fetcher.join(flight, deadline)  # fetched, being written: no second request
                 else:
                     started = trio.current_time()
                     try:
-                        data = await _joined(flight)  # being fetched: wait for it, no second request
+                        data = await self._fetcher.join(flight, deadline)  # being fetched: no second request
                     finally:
                         self._note_stall(trio.current_time() - started)
             else:
@@ -198,10 +199,11 @@ class Reader:
         if data is not None:
             self._stats.block_hits += 1
             return data
-        self._stats.block_misses += 1
+        self._stats.block_misses += 1  # (also a joined fetch that ended without the bytes: fetched again)
         started = trio.current_time()
         try:
-            data = await self._fetcher.fetch(key, key.blockno * self.block_size, inode.block_length(key.blockno, self.block_size))
+            start, length = key.blockno * self.block_size, inode.block_length(key.blockno, self.block_size)
+            data = await self._fetcher.fetch(key, start, length, deadline)
         finally:
             self._note_stall(trio.current_time() - started)
         self._memory.put(key, data)
@@ -233,15 +235,6 @@ class Reader:
         self._stats.stall_seconds += waited_s
         self._stats.stalled_blocks += 1
         STALL_DURATION.observe(waited_s)
-
-
-async def _joined(flight: Flight) -> BlockData | None:
-    """The bytes of a fetch under way; None if its task went away first (the caller then
-    fetches the block itself: a cancelled warm-up or prefetch never fails its readers)."""
-    try:
-        return await flight.result()
-    except FetchAbandoned:
-        return None
 
 
 def _view(data: BlockData, start: int, stop: int) -> bytes | memoryview:

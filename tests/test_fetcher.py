@@ -1,5 +1,6 @@
 """The fetcher's flights on unusual paths, against a real hub: a fetch cancelled while it waits
-for the cache writer's room, an evict that meets a fetch which then fails."""
+for the cache writer's room, an evict that meets a fetch which then fails, a read that joins
+a fetch late."""
 
 from __future__ import annotations
 
@@ -30,12 +31,15 @@ def big_file_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str
     root = tmp_path_factory.mktemp("hub-data")
     (root / "big.bin").write_bytes(os.urandom(BLOCKS * BLOCK))
     with running_hub(root) as hub:
-        yield hub.url, manifest_files(hub.url)["big.bin"]
+        entry = manifest_files(hub.url)["big.bin"]
+        yield hub.url, {**entry, "path": root / "big.bin"}
 
 
-def fetcher_for(url: str, cache: BlockCache) -> Fetcher:
+def fetcher_for(url: str, cache: BlockCache, fetch_timeout_s: float = 10, stats: Stats | None = None) -> Fetcher:
     client = HubClient(parse_hub_url(url), max_connections=8, connect_timeout_s=5, read_timeout_s=5)
-    return Fetcher(client, cache, Stats(), fetch_timeout_s=10, prefetch_connections=4, block_size=BLOCK)
+    return Fetcher(
+        client, cache, stats or Stats(), fetch_timeout_s=fetch_timeout_s, prefetch_connections=4, block_size=BLOCK
+    )
 
 
 def block_keys(entry: dict, count: int) -> list[BlockKey]:
@@ -83,3 +87,29 @@ async def test_an_evict_during_a_fetch_that_fails_spares_the_next_fetch(
             await fetcher.written({key}, timeout_s=10)
             nursery.cancel_scope.cancel()
         assert cache.contains(key)
+
+
+@pytest.mark.trio
+async def test_a_read_that_joins_a_fetch_late_gets_its_own_fetch_timeout(
+    big_file_hub: tuple[str, dict], tmp_path: Path
+) -> None:
+    """A reader joining a read-ahead fetch 1.5 s into that fetch's 2 s is not failed when the
+    fetch gives up half a second later: the hub answers again, and the reader has 1.5 s left."""
+    url, entry = big_file_hub
+    key = block_keys(entry, 1)[0]
+    with block_cache(tmp_path, 4 * BLOCK, BLOCK) as cache, running_fault_proxy(url, 0.0, delay_s=30.0) as slow:
+        stats = Stats()
+        fetcher = fetcher_for(slow.url, cache, fetch_timeout_s=2, stats=stats)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(fetcher.run_writer)
+            nursery.start_soon(fetcher.prefetch, [key], 0, [BLOCK])  # its request held past its timeout
+            await trio.sleep(1.5)
+            slow.delay_s = 0.0  # the hub answers again
+            joined = trio.current_time()
+            data = await fetcher.fetch(key, 0, BLOCK)  # joins the read-ahead's fetch
+            waited_s = trio.current_time() - joined
+            nursery.cancel_scope.cancel()
+    assert bytes(data) == entry["path"].read_bytes()[:BLOCK]
+    assert waited_s > 0.3  # it waited for the read-ahead's fetch, which gave up
+    assert stats.fetch_failures == 1  # the read-ahead's
+
