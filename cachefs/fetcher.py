@@ -23,6 +23,7 @@ committed, so no reader fetches a block that is on its way to disk.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import math
@@ -141,6 +142,9 @@ class Fetcher:
         """The block's flight if it is being fetched or written."""
         return self._flights.get(key)
 
+    def in_flight_or_cached(self, key: BlockKey) -> bool:
+        return key in self._flights or self._cache.contains(key)
+
     def deadline(self) -> float:
         """When a read that starts waiting now gives up (`fetch_timeout_s` from now, trio's clock)."""
         return trio.current_time() + self._fetch_timeout_s
@@ -213,6 +217,7 @@ class Fetcher:
     async def prefetch_files(self, keys: Sequence[BlockKey], lengths: Sequence[int]) -> bool:
         """Fetch small files whole (block 0 of each, the whole file) at read-ahead
         priority, with one batch request while the hub takes them; False if it failed.
+        The caller holds one of `prefetch_slots`.
 
         If one of them changed on the hub (412), they are asked for one by
         one, so that only the changed one fails. A hub that does not know
@@ -230,16 +235,36 @@ class Fetcher:
             except BatchUnsupported as exc:
                 log.warning("no batches of small files from this hub (%s): asking for them one by one", exc)
                 self.batches = False
+        return await self._prefetch_one_by_one(keys, flights, lengths)
+
+    async def _prefetch_one_by_one(self, keys: Sequence[BlockKey], flights: list[Flight], lengths: Sequence[int]) -> bool:
+        """Small files with one request each, side by side (one round trip, not one per file)
+        within `prefetch_slots`: one request at a time on the caller's slot, and one on each
+        slot free. False if any failed.
+
+        The batch's flights end first (FetchAbandoned): a file gets a flight again only
+        when its request starts, so a reader never waits for a request queued behind
+        read-ahead; it fetches the file itself (and the requests here skip it).
+        """
+        self._fail(list(keys), flights, FetchAbandoned(f"batch of {keys[0]} and others asked for one by one"))
+        files = iter(zip(keys, lengths, strict=True))
         failed: list[BlockKey] = []
 
-        async def one_file(key: BlockKey, flight: Flight, length: int) -> None:
-            attempt = functools.partial(self._verified_range, key, 0, [length])
-            if not await self._run([key], [flight], attempt, on_fetched=self._hold_unread):
-                failed.append(key)
+        async def requester(slot: contextlib.AbstractAsyncContextManager[object]) -> None:
+            while True:
+                async with slot:
+                    key, length = next(((k, n) for k, n in files if not self.in_flight_or_cached(k)), (None, 0))
+                    if key is None:
+                        return
+                    flight = self._flights[key] = Flight()
+                    attempt = functools.partial(self._verified_range, key, 0, [length])
+                    if not await self._run([key], [flight], attempt, on_fetched=self._hold_unread):
+                        failed.append(key)
 
-        async with trio.open_nursery() as nursery:  # side by side: one round trip, not one per file
-            for key, flight, length in zip(keys, flights, lengths, strict=True):
-                nursery.start_soon(one_file, key, flight, length)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(requester, contextlib.nullcontext())  # the caller's slot
+            for _ in range(min(len(keys), int(self.prefetch_slots.total_tokens)) - 1):
+                nursery.start_soon(requester, self.prefetch_slots)
         return not failed
 
     def _prefetch_flights(self, keys: Sequence[BlockKey], count_readahead: bool) -> list[Flight]:

@@ -421,7 +421,8 @@ class ReadAhead:
         cached nor in flight, with one request."""
         try:
             async with self._runs, self._fetcher.prefetch_slots:
-                missing = [(key, inode) for key, inode in zip(queued, files, strict=True) if not self._in_flight_or_cached(key)]
+                fetched = self._fetcher.in_flight_or_cached
+                missing = [(key, inode) for key, inode in zip(queued, files, strict=True) if not fetched(key)]
                 if missing:
                     self._stats.readahead_fetches += len(missing)
                     keys, sizes = [key for key, _ in missing], [inode.size for _, inode in missing]
@@ -440,10 +441,7 @@ class ReadAhead:
 
     def _asked(self, key: BlockKey) -> bool:
         """Queued by read-ahead, in flight or cached."""
-        return key in self._queued or self._in_flight_or_cached(key)
-
-    def _in_flight_or_cached(self, key: BlockKey) -> bool:
-        return self._fetcher.flight(key) is not None or self._cache.contains(key)
+        return key in self._queued or self._fetcher.in_flight_or_cached(key)
 
     def _start_prefetch(self, handle: OpenFile, first: int, stop: int) -> bool:
         """Queue read-ahead of blocks [first, stop), unless they are cached, in flight or queued.
@@ -479,7 +477,7 @@ class ReadAhead:
             run_first, keys, lengths = blockno, [], []
             while blockno < stop:
                 key = BlockKey(inode.file_id, inode.version, blockno)
-                if self._in_flight_or_cached(key):
+                if self._fetcher.in_flight_or_cached(key):
                     break
                 keys.append(key)
                 lengths.append(inode.block_length(blockno, self.block_size))

@@ -1,6 +1,6 @@
 """The fetcher's flights on unusual paths, against a real hub: a fetch cancelled while it waits
 for the cache writer's room, an evict that meets a fetch which then fails, a read that joins
-a fetch late."""
+a fetch late, small files asked for one by one."""
 
 from __future__ import annotations
 
@@ -113,3 +113,51 @@ async def test_a_read_that_joins_a_fetch_late_gets_its_own_fetch_timeout(
     assert waited_s > 0.3  # it waited for the read-ahead's fetch, which gave up
     assert stats.fetch_failures == 1  # the read-ahead's
 
+
+SMALL_FILES = 48
+SLOTS = 4
+
+
+@pytest.fixture(scope="module")
+def small_files_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[dict]]]:
+    root = tmp_path_factory.mktemp("hub-small")
+    for number in range(SMALL_FILES):
+        (root / f"f{number:02}").write_bytes(os.urandom(20_000 + number))
+    with running_hub(root) as hub:
+        entries = manifest_files(hub.url)
+        yield hub.url, [{**entries[f"f{number:02}"], "path": root / f"f{number:02}"} for number in range(SMALL_FILES)]
+
+
+@pytest.mark.trio
+async def test_small_files_asked_one_by_one_stay_within_the_prefetch_slots(
+    small_files_hub: tuple[str, list[dict]], tmp_path: Path
+) -> None:
+    """A hub without batches gets a request per file: at most `prefetch_slots` at once (not
+    the whole walk at once, queueing demand misses behind them), and a reader of a file
+    whose turn has not come fetches it at once instead of waiting behind the others."""
+    url, entries = small_files_hub
+    keys = [block_keys(entry, 1)[0] for entry in entries]
+    with block_cache(tmp_path, 64 * BLOCK, BLOCK) as cache, running_fault_proxy(url, 0.0, delay_s=0.25) as slow:
+        client = HubClient(parse_hub_url(slow.url), max_connections=64, connect_timeout_s=5, read_timeout_s=5)
+        fetcher = Fetcher(client, cache, Stats(), fetch_timeout_s=10, prefetch_connections=SLOTS, block_size=BLOCK)
+        fetcher.batches = False  # as after a hub answered a batch with 404
+        async with trio.open_nursery() as nursery:
+            await nursery.start(fetcher.run_writer)
+
+            async def walk() -> None:
+                async with fetcher.prefetch_slots:  # as read-ahead calls it
+                    assert await fetcher.prefetch_files(keys, [entry["s"] for entry in entries])
+
+            nursery.start_soon(walk)
+            await trio.sleep(0.1)
+            asked = trio.current_time()
+            last = await fetcher.fetch(keys[-1], 0, entries[-1]["s"])  # not its turn for seconds
+            demand_s = trio.current_time() - asked
+            await fetcher.written(set(keys), timeout_s=20)
+            nursery.cancel_scope.cancel()
+        assert bytes(last) == entries[-1]["path"].read_bytes()
+        assert demand_s < 1.0  # one held request (0.25 s), not the walk's 48 / 4 x 0.25 s
+        assert slow.most_data_in_flight <= SLOTS + 1  # the slots and the reader's request
+        for key, entry in zip(keys, entries, strict=True):
+            cached = cache.entry(key)
+            assert cached is not None and bytes(cache.read(key, cached)) == entry["path"].read_bytes()
