@@ -66,6 +66,11 @@ PREFETCHED_REMEMBERED = 4096
 # and re-verify what was just written. (Not large files' read-ahead: no gain
 # measured there, and it would add to the peak memory of a cold stream.)
 UNREAD_BYTES = 8 << 20
+# Blocks read ahead that the cache did not admit (full of blocks used more:
+# a dataset larger than the cache) are kept until their first read, up to
+# this many bytes and this long, else their reader fetches them again.
+REJECTED_AHEAD_BYTES = 32 << 20
+REJECTED_AHEAD_AGE_S = 30.0
 
 
 class _ByteBudget:
@@ -86,6 +91,36 @@ class _ByteBudget:
         self._taken -= size
         self._room.set()
         self._room = trio.Event()
+
+
+class RejectedAhead:
+    """Blocks fetched ahead of their reader that the cache did not admit, kept in memory
+    until their first read. Bounded: a stream reads them oldest first, so when the bytes
+    are used up the newest are not kept; blocks left unread expire."""
+
+    def __init__(self, limit_bytes: int, max_age_s: float) -> None:
+        self._limit_bytes = limit_bytes
+        self._max_age_s = max_age_s
+        self._blocks: collections.OrderedDict[BlockKey, tuple[BlockData, float]] = collections.OrderedDict()
+        self._bytes = 0
+
+    def hold(self, key: BlockKey, data: BlockData, now: float) -> None:
+        while self._blocks and now - next(iter(self._blocks.values()))[1] >= self._max_age_s:
+            self._bytes -= len(self._blocks.popitem(last=False)[1][0])
+        if key not in self._blocks and self._bytes + len(data) <= self._limit_bytes:
+            self._blocks[key] = (data, now)
+            self._bytes += len(data)
+
+    def take(self, key: BlockKey) -> BlockData | None:
+        held = self._blocks.pop(key, None)
+        if held is None:
+            return None
+        self._bytes -= len(held[0])
+        return held[0]
+
+    def discard(self, predicate: Callable[[BlockKey], bool]) -> None:
+        for key in [key for key in self._blocks if predicate(key)]:
+            self.take(key)
 
 
 class Flight:
@@ -134,6 +169,7 @@ class Fetcher:
         self.prefetched: collections.OrderedDict[BlockKey, None] = collections.OrderedDict()
         self._unread: collections.OrderedDict[BlockKey, BlockData] = collections.OrderedDict()
         self._unread_bytes = 0
+        self._rejected_ahead = RejectedAhead(REJECTED_AHEAD_BYTES, REJECTED_AHEAD_AGE_S)
         self.prefetch_slots = trio.CapacityLimiter(max(1, prefetch_connections))
         self._write_room = _ByteBudget(WRITE_QUEUE_BYTES)
         self._write_send, self._write_receive = trio.open_memory_channel[tuple[BlockKey, BlockData, bool]](math.inf)
@@ -281,11 +317,13 @@ class Fetcher:
         return flights
 
     def take_unread(self, key: BlockKey) -> BlockData | None:
-        """The bytes of a block read-ahead fetched and no reader has read yet, if still held."""
+        """The bytes of a block read-ahead fetched and no reader has read yet, if still held
+        (a small file fetched ahead, or a block the cache did not admit)."""
         data = self._unread.pop(key, None)
         if data is not None:
             self._unread_bytes -= len(data)
-        return data
+            return data
+        return self._rejected_ahead.take(key)
 
     def _hold_unread(self, key: BlockKey, data: BlockData) -> None:
         """Keep a small file fetched ahead until its first read (unless a reader has it already)."""
@@ -308,6 +346,7 @@ class Fetcher:
         self._discarded.update(key for key in self._flights if predicate(key))
         for key in [key for key in self._unread if predicate(key)]:
             self.take_unread(key)
+        self._rejected_ahead.discard(predicate)
 
     async def _run(
         self,
@@ -408,6 +447,7 @@ class Fetcher:
                 try:
                     if kept:
                         await trio.to_thread.run_sync(self._cache.insert_many, kept, ahead)
+                        self._hold_rejected_ahead([(key, data) for key, data, _force in kept if key in ahead])
                 finally:
                     for key, _data, _force in batch:
                         self._flights.pop(key, None)
@@ -415,6 +455,14 @@ class Fetcher:
                     self._write_room.give_back(batch_bytes)
                     self._batch_written.set()
                     self._batch_written = trio.Event()
+
+    def _hold_rejected_ahead(self, blocks: list[tuple[BlockKey, BlockData]]) -> None:
+        """Keep the blocks read ahead that were not cached (not admitted), not read meanwhile
+        and not held already (small files), until their first read."""
+        now = trio.current_time()
+        for key, data in blocks:
+            if key in self.prefetched and key not in self._unread and not self._cache.contains(key):
+                self._rejected_ahead.hold(key, data, now)
 
     async def _verified_range(self, key: BlockKey, start: int, lengths: list[int]) -> list[bytearray]:
         """One attempt: the data, checked against the hub's checksums of it.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import threading
@@ -87,6 +88,41 @@ def test_cyclic_epochs_over_twice_the_cache_keep_hitting(hub, dataset: Path, tmp
         # LRU or FIFO would hit nothing here: each block leaves just before its next use.
         assert ratios[1] >= 0.8 * optimum, ratios
         assert ratios[2] >= 0.8 * optimum, ratios
+
+
+def read_direct(path: Path, size: int) -> bytes:
+    """The file in O_DIRECT reads of `size` bytes: each one a FUSE request of that size."""
+    buffer = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT wants
+    chunks, offset = [], 0
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        while length := os.preadv(fd, [buffer], offset):
+            chunks.append(buffer[:length])
+            offset += length
+    finally:
+        os.close(fd)
+        buffer.close()
+    return b"".join(chunks)
+
+
+def test_blocks_read_ahead_that_the_full_cache_refuses_are_fetched_once(tmp_path: Path) -> None:
+    """A file twice the cache read block by block: a block read ahead that admission
+    refuses is kept for its reader, not fetched again by it."""
+    root = tmp_path / "hub-data"
+    root.mkdir()
+    source = os.urandom(128 * TEST_BLOCK_SIZE)
+    (root / "big.bin").write_bytes(source)
+    cache_bytes = len(source) // 2
+    with running_hub(root) as hub, mounted_spoke(hub.url, tmp_path, (*SPOKE_ARGS, "--cache-size", str(cache_bytes))) as spoke:
+        fetched = []
+        for _epoch in range(2):
+            before = spoke.stats()["fetched_bytes"]
+            assert read_direct(spoke.mountpoint / "big.bin", TEST_BLOCK_SIZE) == source
+            fetched.append(spoke.stats()["fetched_bytes"] - before)
+        stats = spoke.stats()
+    assert stats["readahead_used"] > 64 and stats["rejected_blocks"] > 0
+    assert fetched[0] <= len(source) + 4 * TEST_BLOCK_SIZE, fetched  # each block once (before: 1.5x)
+    assert fetched[1] <= len(source) - cache_bytes // 2, fetched  # and the cached half hits (before: none)
 
 
 def test_warm_then_hub_down_serves_every_warmed_byte(dataset: Path, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from test_hub_checksums import manifest_files
 
 from cachefs.cache import BlockCache, BlockKey
 from cachefs.config import parse_hub_url
-from cachefs.fetcher import WRITE_QUEUE_BYTES, Fetcher
+from cachefs.fetcher import WRITE_QUEUE_BYTES, Fetcher, RejectedAhead
 from cachefs.hub_client import HubClient
 from cachefs.metrics import Stats
 
@@ -161,3 +161,15 @@ async def test_small_files_asked_one_by_one_stay_within_the_prefetch_slots(
         for key, entry in zip(keys, entries, strict=True):
             cached = cache.entry(key)
             assert cached is not None and bytes(cache.read(key, cached)) == entry["path"].read_bytes()
+
+
+def test_blocks_kept_for_their_reader_are_bounded_in_bytes_and_time() -> None:
+    """A stream reads them oldest first: when full, the newest are not kept; unread ones expire."""
+    held = RejectedAhead(limit_bytes=2 * BLOCK, max_age_s=30)
+    first, second, third = (BlockKey(b"f" * 8, b"v" * 8, blockno) for blockno in range(3))
+    for key in (first, second, third):
+        held.hold(key, bytes(BLOCK), now=0)
+    assert held.take(third) is None  # no room when it came
+    assert held.take(first) is not None and held.take(first) is None  # once
+    held.hold(third, bytes(BLOCK), now=31)  # `second` has waited too long
+    assert held.take(second) is None and held.take(third) is not None
