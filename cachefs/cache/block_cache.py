@@ -181,7 +181,11 @@ class BlockCache:
         would be (else on a full cache every block read ahead lost its place
         and was fetched a second time by its reader)."""
         with self._lock:
-            admitted = self._admit(blocks, ahead)
+            try:
+                admitted = self._admit(blocks, ahead)
+            except lmdb.Error as exc:  # dropping what they displace failed (a full disk)
+                self._note_store_failure(exc)
+                return 0
             written = []
             for key, data in admitted:
                 try:
@@ -204,30 +208,37 @@ class BlockCache:
     def _admit(
         self, blocks: list[tuple[BlockKey, BlockData, bool]], ahead: Container[BlockKey]
     ) -> list[tuple[BlockKey, BlockData]]:
-        """The blocks that get a place, after evicting what they displace."""
+        """The blocks that get a place, after evicting what they displace (all of it
+        with one index commit: one fsync per batch, not one per block evicted)."""
         free = self._limit_bytes() - self.index.used_bytes()
         victims: Victims = _OldestVictims(self)
         if self.advisor is not None and self.advisor.active():
             victims = PlanVictims(self, self.advisor)
         admitted = []
-        for key, data, force in blocks:
-            forced = force or key.file_id in self._pins
-            while len(data) > free:
-                victim = victims.best()
-                if victim is None:
-                    break
-                victim_key, victim_length = victim
-                if not forced and not victims.displaces(key, victim_key, key in ahead):
-                    victims.refused()
-                    break
-                victims.take()
-                if self._evict(victim_key):
-                    free += victim_length
-            if len(data) <= free:
-                admitted.append((key, data))
-                free -= len(data)
-            else:
-                self._stats.rejected_blocks += 1
+        evicted: list[BlockKey] = []
+        try:
+            for key, data, force in blocks:
+                forced = force or key.file_id in self._pins
+                while len(data) > free:
+                    victim = victims.best()
+                    if victim is None:
+                        break
+                    victim_key, victim_length = victim
+                    if not forced and not victims.displaces(key, victim_key, key in ahead):
+                        victims.refused()
+                        break
+                    victims.take()
+                    if self._start_drop(victim_key):  # else its file is held (the kernel reads it)
+                        evicted.append(victim_key)
+                        free += victim_length
+                if len(data) <= free:
+                    admitted.append((key, data))
+                    free -= len(data)
+                else:
+                    self._stats.rejected_blocks += 1
+        finally:
+            self._finish_drops(evicted)
+        self._stats.evicted_blocks += len(evicted)
         victims.done()
         return admitted
 
@@ -246,30 +257,39 @@ class BlockCache:
                 if entry is not None:
                     yield key, entry.length
 
-    def _evict(self, key: BlockKey) -> bool:
-        """Drop a block to make room; False if its file is held (the kernel reads it)."""
-        dropped = self._drop(key)
-        if dropped:
-            self._stats.evicted_blocks += 1
-        return dropped
-
     def _drop(self, key: BlockKey) -> bool:
         """Remove a block's entry (and its file's verified mark), then punch out
         its bytes; nothing if the file is held, whose data file must stay whole."""
+        if not self._start_drop(key):
+            return False
+        self._finish_drops([key])
+        return True
+
+    def _start_drop(self, key: BlockKey) -> bool:
+        """Mark a block's file as being dropped from (a passthrough open waits: `hold`);
+        False if the file is held. `_finish_drops` must follow."""
         file = (key.file_id, key.version)
         with self._held_lock:
             if file in self._held:
                 return False
             self._dropping[file] += 1
+        return True
+
+    def _finish_drops(self, keys: list[BlockKey]) -> None:
+        """Drop blocks marked by `_start_drop`: their entries (and their files' verified
+        marks) in one commit, then their bytes; then unmark them."""
         try:
-            self.index.remove(key)
-            self.store.delete(key)
+            if keys:
+                self.index.remove_many(keys)
+                for key in keys:
+                    self.store.delete(key)
         finally:
             with self._held_lock:
-                self._dropping[file] -= 1
-                if not self._dropping[file]:
-                    del self._dropping[file]
-        return True
+                for key in keys:
+                    file = (key.file_id, key.version)
+                    self._dropping[file] -= 1
+                    if not self._dropping[file]:
+                        del self._dropping[file]
 
     def free_bytes(self) -> int:
         """Room left under the size limit (and the disk reserve, once the disk was found full)."""
@@ -362,20 +382,17 @@ class BlockCache:
 
     def evict_file(self, file_id: bytes) -> int:
         """Drop every cached block of a file (all versions); returns the bytes freed."""
-        freed = 0
         with self._lock:
-            for key, length in self.index.file_blocks(file_id):
-                self.index.remove(key)
-                freed += length
+            blocks = self.index.file_blocks(file_id)
+            self.index.remove_many(key for key, _length in blocks)
             self.store.delete_file(file_id)
-        return freed
+        return sum(length for _key, length in blocks)
 
     def drop_stale(self, version_of: Callable[[bytes], bytes | None]) -> int:
         """Drop blocks of file versions the snapshot no longer has; returns how many."""
         stale = [key for key in self.index.iter_keys() if version_of(key.file_id) != key.version]
         with self._lock:
-            for key in stale:
-                self.index.remove(key)
+            self.index.remove_many(stale)
             for file_id, version in {(key.file_id, key.version) for key in stale}:
                 self.store.delete_version(file_id, version)
         return len(stale)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from ..db import Database
 from .keys import BlockKey
@@ -68,14 +68,20 @@ class BlockIndex:
 
     def remove(self, key: BlockKey) -> int:
         """Drop a block's entry; returns the bytes it accounted for (0 if absent)."""
-        packed = key.packed()
+        return self.remove_many([key])
+
+    def remove_many(self, keys: Iterable[BlockKey]) -> int:
+        """Drop blocks' entries in one transaction (one fsync); returns the bytes they accounted for."""
+        freed = 0
         with self._db.env.begin(write=True) as txn:
-            old = txn.get(packed, db=self._db.blocks)
-            if old is None:
-                return 0
-            entry = IndexEntry.unpack(old)
-            self._forget(txn, packed, entry)
-        return entry.length
+            for key in keys:
+                packed = key.packed()
+                old = txn.get(packed, db=self._db.blocks)
+                if old is not None:
+                    entry = IndexEntry.unpack(old)
+                    self._forget(txn, packed, entry)
+                    freed += entry.length
+        return freed
 
     def mark_verified(self, files: list[list[tuple[BlockKey, int]]], boot_id: bytes) -> int:
         """Record, in one transaction, that each file version's blocks (key, entry seq),
