@@ -46,6 +46,7 @@ class FileRecord:
     path: str  # relative to the root, '/'-separated, surrogateescape
     size_bytes: int
     mtime_ns: int
+    ctime_ns: int  # any change of the file changes it, also one whose mtime was put back
     ino: int
     dev: int
 
@@ -153,60 +154,118 @@ def iter_manifest_lines(snapshot: Snapshot) -> Iterator[bytes]:
         yield entry_line(entry)
 
 
-def _list_dir(path: bytes) -> list[os.DirEntry[bytes]]:
-    """The entries of one directory, sorted by name bytes; raises OSError."""
-    with os.scandir(path) as it:
-        return sorted(it, key=lambda child: child.name)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
-def _walk(root: bytes) -> Iterator[tuple[bytes, os.stat_result]]:
-    """Yield (relative path, lstat) in manifest order, the root first.
+def _list_dir(dir_fd: int) -> list[os.DirEntry[str]]:
+    """The entries of an open directory, sorted by name bytes; raises OSError."""
+    with os.scandir(dir_fd) as it:
+        return sorted(it, key=lambda child: os.fsencode(child.name))
+
+
+@dataclass(slots=True)
+class _Scanned:
+    """One path found by the walk: relative path, lstat, and a symlink's target."""
+
+    rel: bytes
+    st: os.stat_result
+    link_target: bytes | None = None
+
+
+def _walk(root: bytes) -> Iterator[_Scanned]:
+    """Yield every path in manifest order, the root first.
 
     Depth-first, names sorted by bytes, every directory before its children;
-    symlinks are never followed. Unreadable directories are left out with a
-    warning. Raises OSError only if the root itself cannot be listed.
+    symlinks are never followed. Each directory is opened relative to its
+    parent's descriptor with O_NOFOLLOW and its children are looked at
+    through it, so a directory swapped for a symlink during the scan is
+    either skipped or still the directory that was opened: nothing outside
+    the root is ever recorded. Unreadable directories are left out with a
+    warning. Raises OSError only if the root itself cannot be opened or listed.
     """
-    root_stat = os.stat(root)
-    stack = [(b"", iter(_list_dir(root)))]
-    yield b"", root_stat
-    while stack:
-        prefix, children = stack[-1]
-        child = next(children, None)
-        if child is None:
-            stack.pop()
-            continue
-        rel = child.name if not prefix else prefix + b"/" + child.name
-        try:
-            st = child.stat(follow_symlinks=False)
-        except OSError as exc:
-            LOG.warning("skipping %r: cannot stat: %s", _decode_path(rel), exc.strerror)
-            continue
-        if stat.S_ISDIR(st.st_mode):
-            try:
-                grandchildren = _list_dir(child.path)
-            except OSError as exc:
-                LOG.warning("skipping directory %r: cannot list: %s", _decode_path(rel), exc.strerror)
+    root_fd = os.open(root, _DIR_FLAGS & ~os.O_NOFOLLOW)  # the root itself may be a symlink
+    try:
+        stack = [(b"", root_fd, iter(_list_dir(root_fd)))]
+    except OSError:
+        os.close(root_fd)
+        raise
+    yield _Scanned(b"", os.fstat(root_fd))
+    try:
+        while stack:
+            prefix, dir_fd, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                os.close(stack.pop()[1])
                 continue
-            yield rel, st
-            stack.append((rel, iter(grandchildren)))
-        elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
-            yield rel, st
-        else:
-            LOG.debug("skipping special file %r (mode %o)", _decode_path(rel), st.st_mode)
+            scanned = _look_at(prefix, dir_fd, child)
+            if scanned is None:
+                continue
+            if stat.S_ISDIR(scanned.st.st_mode):
+                opened = _open_dir(dir_fd, child.name, scanned)
+                if opened is None:
+                    continue
+                yield scanned
+                stack.append((scanned.rel, *opened))
+            else:
+                yield scanned
+    finally:
+        for _prefix, dir_fd, _children in stack:
+            os.close(dir_fd)
 
 
-def _make_entry(root: bytes, rel: bytes, st: os.stat_result) -> Entry | None:
-    """Build the entry for one scanned path; None if it vanished meanwhile."""
+def _look_at(prefix: bytes, dir_fd: int, child: os.DirEntry[str]) -> _Scanned | None:
+    """A child of an open directory: its lstat (and target, for a symlink); None for
+    special files and what cannot be looked at."""
+    name = os.fsencode(child.name)
+    rel = name if not prefix else prefix + b"/" + name
+    try:
+        st = os.stat(child.name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError as exc:
+        LOG.warning("skipping %r: cannot stat: %s", _decode_path(rel), exc.strerror)
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            return _Scanned(rel, st, os.fsencode(os.readlink(child.name, dir_fd=dir_fd)))
+        except OSError as exc:
+            LOG.warning("skipping symlink %r: cannot read it: %s", _decode_path(rel), exc.strerror)
+            return None
+    if stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode):
+        return _Scanned(rel, st)
+    LOG.debug("skipping special file %r (mode %o)", _decode_path(rel), st.st_mode)
+    return None
+
+
+def _open_dir(dir_fd: int, name: str, scanned: _Scanned) -> tuple[int, Iterator[os.DirEntry[str]]] | None:
+    """Open and list a subdirectory that was looked at, if it still is that directory."""
+    rel = _decode_path(scanned.rel)
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:  # ELOOP: swapped for a symlink since
+        LOG.warning("skipping directory %r: cannot open: %s", rel, exc.strerror)
+        return None
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (scanned.st.st_dev, scanned.st.st_ino):
+            LOG.warning("skipping directory %r: replaced during the scan", rel)
+            os.close(fd)
+            return None
+        scanned.st = st
+        return fd, iter(_list_dir(fd))
+    except OSError as exc:
+        os.close(fd)
+        LOG.warning("skipping directory %r: cannot list: %s", rel, exc.strerror)
+        return None
+
+
+def _make_entry(scanned: _Scanned) -> Entry:
+    """The manifest entry of one scanned path."""
+    rel, st = scanned.rel, scanned.st
     path = _decode_path(rel)
     mode = stat.S_IMODE(st.st_mode)
     if stat.S_ISDIR(st.st_mode):
         return Entry(path, KIND_DIR, mode, st.st_mtime_ns, st.st_size)
-    if stat.S_ISLNK(st.st_mode):
-        try:
-            target = os.readlink(root + b"/" + rel)
-        except OSError as exc:
-            LOG.warning("skipping symlink %r: cannot read it: %s", path, exc.strerror)
-            return None
+    if scanned.link_target is not None:
+        target = scanned.link_target
         return Entry(path, KIND_SYMLINK, mode, st.st_mtime_ns, len(target), link_target=_decode_path(target))
     record = FileRecord(
         file_id=file_id_for(rel),
@@ -214,6 +273,7 @@ def _make_entry(root: bytes, rel: bytes, st: os.stat_result) -> Entry | None:
         path=path,
         size_bytes=st.st_size,
         mtime_ns=st.st_mtime_ns,
+        ctime_ns=st.st_ctime_ns,
         ino=st.st_ino,
         dev=st.st_dev,
     )
@@ -229,10 +289,8 @@ def scan(root: Path) -> Snapshot:
     files_by_id: dict[str, FileRecord] = {}
     hasher = xxhash.xxh3_64()
     total_bytes = 0
-    for rel, st in _walk(root_bytes):
-        entry = _make_entry(root_bytes, rel, st)
-        if entry is None:
-            continue
+    for scanned in _walk(root_bytes):
+        entry = _make_entry(scanned)
         record = entry.file
         if record is not None:
             first = files_by_id.get(record.file_id)
@@ -263,6 +321,7 @@ def _matches(record: FileRecord, st: os.stat_result) -> bool:
         stat.S_ISREG(st.st_mode)
         and st.st_size == record.size_bytes
         and st.st_mtime_ns == record.mtime_ns
+        and st.st_ctime_ns == record.ctime_ns
         and st.st_ino == record.ino
         and st.st_dev == record.dev
     )
@@ -270,7 +329,7 @@ def _matches(record: FileRecord, st: os.stat_result) -> bool:
 
 def check_unchanged(snapshot: Snapshot, record: FileRecord) -> bool:
     """True if the file on disk still is the one scanned: a regular file
-    with the same size, mtime, device and inode. Blocking."""
+    with the same size, mtime, ctime, device and inode. Blocking."""
     try:
         st = os.lstat(snapshot.abs_path(record))
     except OSError:
@@ -283,7 +342,7 @@ def open_unchanged(snapshot: Snapshot, record: FileRecord) -> int:
 
     The descriptor is checked with ``fstat`` after opening, so what it reads
     is the very inode that was scanned inside the root (same device, inode,
-    size and mtime), even if the path or a directory above it was swapped
+    size, mtime and ctime), even if the path or a directory above it was swapped
     for a symlink meanwhile: no realpath walk is needed to stay inside the
     root. Raises FileChangedError otherwise. Blocking.
     """

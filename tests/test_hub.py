@@ -3,6 +3,7 @@ loopback, spoken to with the standard library's HTTP client."""
 
 from __future__ import annotations
 
+import ctypes
 import gzip
 import http.client
 import json
@@ -11,6 +12,7 @@ import random
 import signal
 import socket
 import stat
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from hub_helpers import HubProcess, Reply, run_hub_cli, running_hub
 from hub_helpers import http_get as get
 
 from hubserver.handlers import iter_gzip_chunks
+from hubserver.manifest import scan
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -453,19 +456,23 @@ def test_unknown_route_and_method_give_json_errors(tree_hub: HubProcess) -> None
 def test_file_changed_on_disk_gives_412_without_rescan(tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()
-    for name in ("grown", "touched", "swapped", "to_symlink", "removed", "kept"):
+    for name in ("grown", "touched", "rewritten", "swapped", "to_symlink", "removed", "kept"):
         (root / name).write_bytes(name.encode() * 100)
     with running_hub(root) as hub:
         entries = fetch_manifest(hub).by_path()
         with open(root / "grown", "ab") as f:
             f.write(b"!")
         os.utime(root / "touched", ns=(1, 1))
+        before = os.stat(root / "rewritten")  # rewritten in place, its times put back (rsync --inplace -t)
+        with open(root / "rewritten", "r+b") as f:
+            f.write(b"REWRITTEN" * 100)
+        os.utime(root / "rewritten", ns=(before.st_atime_ns, before.st_mtime_ns))
         (root / "swapped.new").write_bytes(b"swapped" * 100)  # same size, new inode
         os.replace(root / "swapped.new", root / "swapped")
         os.symlink(OUTSIDE_FILE, root / "to_symlink.new")
         os.replace(root / "to_symlink.new", root / "to_symlink")
         (root / "removed").unlink()
-        for name in ("grown", "touched", "swapped", "to_symlink", "removed"):
+        for name in ("grown", "touched", "rewritten", "swapped", "to_symlink", "removed"):
             for url in (file_url(entries[name]), file_url(entries[name], version=False)):
                 reply = get(hub, url, {"Range": "bytes=0-99"})
                 assert reply.status == 412, (name, reply.status, reply.body[:100])
@@ -485,6 +492,45 @@ def test_directory_swapped_for_outside_symlink_gives_412(tmp_path: Path) -> None
         reply = get(hub, file_url(entry))
         assert reply.status == 412
         assert b"root:" not in reply.body
+
+
+def test_a_scan_never_records_a_file_outside_the_root(tmp_path: Path) -> None:
+    """A directory swapped back and forth with a symlink to an outside directory while the
+    tree is scanned (someone who can write in the dataset, a rescan): the scan never goes
+    through the symlink, so no file outside the root is ever listed (and then served)."""
+    root, outside, partner = tmp_path / "root", tmp_path / "outside", tmp_path / "partner"
+    (root / "a" / "b").mkdir(parents=True)
+    outside.mkdir()
+    partner.mkdir()
+    for number in range(2000):  # a subtree that takes a while to scan
+        (root / "a" / "b" / f"f{number:04}").touch()
+    (root / "a" / "secret.txt").write_bytes(b"inside")
+    (outside / "secret.txt").write_bytes(b"a file outside the root")
+    outside_inode = (outside / "secret.txt").stat().st_ino
+    os.symlink(outside, partner / "a")
+    stop = threading.Event()
+
+    def swapper() -> None:
+        while not stop.is_set():
+            exchange_paths(root / "a", partner / "a")
+
+    thread = threading.Thread(target=swapper)
+    thread.start()
+    try:
+        recorded = [record.ino for _ in range(40) for record in scan(root).files_by_id.values()]
+    finally:
+        stop.set()
+        thread.join()
+    assert outside_inode not in recorded
+
+
+def exchange_paths(first: Path, second: Path) -> None:
+    """renameat2(RENAME_EXCHANGE): swap two paths atomically."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd, rename_exchange, sys_renameat2 = -100, 2, 316  # x86_64
+    if libc.syscall(sys_renameat2, at_fdcwd, bytes(first), at_fdcwd, bytes(second), rename_exchange) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
 
 
 def test_generation_is_stable_across_restarts_and_changes_with_the_tree(tmp_path: Path) -> None:
