@@ -42,7 +42,7 @@ async def _snapshot_ctx(app: web.Application) -> AsyncIterator[None]:
     started = time.monotonic()
     snapshot = await loop.run_in_executor(None, scan, config.root)
     scan_s = time.monotonic() - started
-    app[SNAPSHOT_KEY] = rescan.SnapshotHolder(snapshot, app[METRICS_KEY])
+    app[SNAPSHOT_KEY] = rescan.SnapshotHolder(snapshot, app[METRICS_KEY], config.root)
     rescan.publish(app[METRICS_KEY], snapshot, scan_s)
     LOG.info(
         "scanned %s: %d files, %d bytes, %d entries, generation %s (%.2f s)",

@@ -38,7 +38,9 @@ _ALLOWED: Final = frozenset({"v", "bs", "first", "count"})
 MIN_BLOCK_BYTES: Final = 64 * 1024
 MAX_BLOCK_BYTES: Final = 64 * 1024 * 1024
 MAX_COUNT: Final = 4096  # 32 KiB of answer; at most 256 GiB of hashing behind one request
-REMEMBERED: Final = 1 << 20  # checksums kept (~100 MB at most; far less in practice)
+# Checksums kept: ~250 bytes each in memory (key, value, LRU links), so at most
+# ~65 MB; with 1 MiB blocks, the blocks of 256 GiB of data.
+REMEMBERED: Final = 1 << 18
 SUMS_HEADER: Final = "Cachefs-Block-Sums"
 MAX_HEADER_SUMS: Final = 64  # ~1.1 KB of header; larger ranges get no header
 
@@ -92,7 +94,7 @@ CHECKSUMS_KEY: Final = web.AppKey("checksums", ChecksumCache)
 
 def _int_param(request: web.Request, name: str, low: int, high: int) -> int:
     text = request.query.get(name, "")
-    if not text.isdigit() or len(text) > 12 or not low <= int(text) <= high:
+    if not text.isascii() or not text.isdigit() or len(text) > 12 or not low <= int(text) <= high:
         raise HubHTTPError(400, f"query parameter {name} must be an integer from {low} to {high}")
     return int(text)
 

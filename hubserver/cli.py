@@ -287,7 +287,7 @@ async def serve(config: HubConfig, auth: HubAuth, ssl_context: ssl.SSLContext | 
     server: asyncio.Server | None = None
     loop.add_signal_handler(signal.SIGHUP, auth.reload, metrics)
     holder = app[SNAPSHOT_KEY]
-    loop.add_signal_handler(signal.SIGUSR1, lambda: loop.create_task(holder.rescan()))
+    loop.add_signal_handler(signal.SIGUSR1, lambda: loop.create_task(holder.rescan_logged()))
     try:
         server = await start_server(runner, config, metrics, sock, ssl_context)
         host, port = sock.getsockname()[:2]

@@ -4,9 +4,12 @@ The hub serves one snapshot at a time, held in a `SnapshotHolder`; a rescan
 builds the next one in a worker thread and swaps it in whole, so every
 request sees one generation. Spokes move to it with `cachefs refresh`
 (files that changed in between are refused with 412 until they do).
-Rescans run one at a time, and requests for one (`POST /v1/rescan`) within
-`MIN_INTERVAL_S` of the last are answered with the current generation, so
-a client cannot keep the hub scanning.
+Rescans run one at a time, and requests for one (`POST /v1/rescan`) are
+answered with the current generation when the last scan ended less than
+`MIN_INTERVAL_S`, or `IDLE_PER_SCAN` times its own duration, ago: a client
+cannot keep the hub scanning (requests at most keep it scanning a fifth of
+the time). A root given as a symlink is resolved again at each rescan, so
+switching it to another tree (``ln -sfn v2 current``) publishes that tree.
 """
 
 from __future__ import annotations
@@ -15,42 +18,59 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Final
 
 from aiohttp import web
 
-from hubserver.handlers import SNAPSHOT_KEY
+from hubserver.handlers import SNAPSHOT_KEY, HubHTTPError, check_query
 from hubserver.manifest import Snapshot, scan
 from hubserver.metrics import HubMetrics
 
 LOG = logging.getLogger(__name__)
 
 MIN_INTERVAL_S: Final = 1.0
+IDLE_PER_SCAN: Final = 4.0
 
 
 class SnapshotHolder:
-    """The snapshot being served, replaced whole by a rescan."""
+    """The snapshot being served, replaced whole by a rescan of `root` (as configured)."""
 
-    def __init__(self, snapshot: Snapshot, metrics: HubMetrics) -> None:
+    def __init__(self, snapshot: Snapshot, metrics: HubMetrics, root: Path) -> None:
         self.current = snapshot
         self._metrics = metrics
+        self._root = root
         self._lock = asyncio.Lock()
         self.scanned_at = float("-inf")  # when the last rescan finished (the startup scan does not count)
+        self._scan_s = 0.0  # how long it took
 
     async def rescan(self, *, unless_recent: bool = False) -> tuple[Snapshot, bool]:
-        """Scan the root again; returns (snapshot, whether a scan ran)."""
+        """Scan the root again; returns (snapshot, whether a scan ran). Raises OSError
+        if the root cannot be scanned (the current snapshot stays)."""
         async with self._lock:
-            if unless_recent and time.monotonic() - self.scanned_at < MIN_INTERVAL_S:
+            pause_s = max(MIN_INTERVAL_S, IDLE_PER_SCAN * self._scan_s)
+            if unless_recent and time.monotonic() - self.scanned_at < pause_s:
                 return self.current, False
             previous = self.current
             started = time.monotonic()
-            snapshot = await asyncio.get_running_loop().run_in_executor(None, scan, previous.root)
-            self.scanned_at = time.monotonic()
+            try:
+                snapshot = await asyncio.get_running_loop().run_in_executor(None, scan, self._root)
+            finally:
+                self.scanned_at = time.monotonic()
+                self._scan_s = self.scanned_at - started
             self.current = snapshot
-            publish(self._metrics, snapshot, self.scanned_at - started)
+            publish(self._metrics, snapshot, self._scan_s)
             LOG.info("rescanned %s: generation %s -> %s, %d files (%.2f s)", snapshot.root,
-                     previous.generation, snapshot.generation, snapshot.file_count, self.scanned_at - started)
+                     previous.generation, snapshot.generation, snapshot.file_count, self._scan_s)
             return snapshot, True
+
+    async def rescan_logged(self) -> None:
+        """Rescan (a signal, the interval); a failure is logged and the current snapshot stays."""
+        try:
+            await self.rescan()
+        except OSError as exc:
+            LOG.error("rescan of %s failed: %s; still serving generation %s", self._root, exc.strerror or exc,
+                      self.current.generation)
 
 
 def publish(metrics: HubMetrics, snapshot: Snapshot, scan_s: float) -> None:
@@ -67,17 +87,20 @@ def publish(metrics: HubMetrics, snapshot: Snapshot, scan_s: float) -> None:
 async def rescan_periodically(holder: SnapshotHolder, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
-        try:
-            await holder.rescan()
-        except OSError as exc:
-            LOG.error("rescan of %s failed: %s; still serving generation %s", holder.current.root, exc,
-                      holder.current.generation)
+        await holder.rescan_logged()
 
 
 async def rescan_request(request: web.Request) -> web.Response:
-    """``POST /v1/rescan``: publish a new generation now (at most every MIN_INTERVAL_S)."""
+    """``POST /v1/rescan``: publish a new generation now (unless one was scanned just now).
+    A root that cannot be scanned answers 503; the current generation stays."""
+    check_query(request, frozenset())
     holder: SnapshotHolder = request.app[SNAPSHOT_KEY]
-    snapshot, scanned = await holder.rescan(unless_recent=True)
+    try:
+        snapshot, scanned = await holder.rescan(unless_recent=True)
+    except OSError as exc:
+        LOG.error("rescan failed: %s; still serving generation %s", exc.strerror or exc, holder.current.generation)
+        raise HubHTTPError(503, f"cannot scan the root: {exc.strerror or exc}; still serving generation "
+                                f"{holder.current.generation}") from None
     return web.json_response({"generation": snapshot.generation, "files": snapshot.file_count, "rescanned": scanned})
 
 

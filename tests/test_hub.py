@@ -533,6 +533,41 @@ def exchange_paths(first: Path, second: Path) -> None:
         raise OSError(errno, os.strerror(errno))
 
 
+def test_a_rescan_that_fails_keeps_serving_and_says_why(tmp_path: Path) -> None:
+    """The root moved away: POST /v1/rescan answers 503 JSON (no traceback), SIGUSR1 logs
+    the failure, and the hub keeps serving the generation it has."""
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "kept").write_bytes(b"kept")
+    with running_hub(root) as hub:
+        generation = fetch_manifest(hub).header["generation"]
+        assert get(hub, "/v1/rescan?x=1&x=2", method="POST").status == 400  # it takes no query
+        os.rename(root, tmp_path / "moved")
+        failed = get(hub, "/v1/rescan", method="POST")
+        assert failed.status == 503 and generation in failed.json()["error"]
+        time.sleep(1.1)  # one rescan a second
+        hub.proc.send_signal(signal.SIGUSR1)
+        assert hub.wait_for_stderr("rescan of")
+        assert get(hub, "/healthz").json()["generation"] == generation
+    assert "Traceback" not in hub.stderr_text() and "never retrieved" not in hub.stderr_text()
+
+
+def test_a_root_given_as_a_symlink_is_followed_again_at_each_rescan(tmp_path: Path) -> None:
+    """The usual atomic switch of a dataset (`ln -sfn v2 current`) is published by a rescan."""
+    for name in ("v1", "v2"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"only-in-{name}").write_bytes(name.encode())
+    (tmp_path / "current").symlink_to("v1")
+    with running_hub(tmp_path / "current") as hub:
+        assert "only-in-v1" in fetch_manifest(hub).by_path()
+        (tmp_path / "next").symlink_to("v2")
+        os.replace(tmp_path / "next", tmp_path / "current")
+        assert get(hub, "/v1/rescan", method="POST").json()["rescanned"] is True
+        entries = fetch_manifest(hub).by_path()
+        assert "only-in-v2" in entries and "only-in-v1" not in entries
+        assert get(hub, file_url(entries["only-in-v2"])).body == b"v2"
+
+
 def test_generation_is_stable_across_restarts_and_changes_with_the_tree(tmp_path: Path) -> None:
     root = tmp_path / "root"
     build_tree(root)

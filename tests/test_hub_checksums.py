@@ -40,7 +40,8 @@ def test_checksums_match_the_blocks(tmp_path: Path) -> None:
         expected = [xxhash.xxh3_64_intdigest(data[b * 64 * KiB : (b + 1) * 64 * KiB]) for b in (1, 2, 3)]
         assert [int.from_bytes(body[i : i + 8], "big") for i in range(0, 24, 8)] == expected
         assert get(base + "&first=0&count=1")[1] == get(base + "&first=0&count=1")[1]  # remembered, same answer
-        for bad in ("&first=0&count=0", "&first=-1&count=1", "&first=0&count=99999", "&first=x&count=1"):
+        for bad in ("&first=0&count=0", "&first=-1&count=1", "&first=0&count=99999", "&first=x&count=1",
+                    "&first=%C2%B2&count=1", "&first=0&count=%D9%A1"):  # "²", an Arabic-Indic 1: digits, not ASCII
             assert get(base + bad)[0] == 400, bad
         assert get(f"{hub.url}/v1/files/{entry['i']}/checksums?v={entry['v']}&bs=100000&first=0&count=1")[0] == 400
         assert get(base + "&first=4&count=1")[0] == 416
