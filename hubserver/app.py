@@ -82,7 +82,6 @@ def make_app(config: HubConfig, auth: HubAuth | None = None) -> web.Application:
     app[METRICS_KEY] = metrics
     app[MANIFEST_CHUNK_BYTES_KEY] = config.manifest_chunk_bytes
     app.cleanup_ctx.append(_snapshot_ctx)
-    app.on_response_prepare.append(handlers.restore_snapshot_etag)
     app.on_response_prepare.append(handlers.set_server_header)
     add_get: Callable[..., web.AbstractRoute] = app.router.add_get
     add_get("/healthz", handlers.healthz, name=ENDPOINT_HEALTHZ)

@@ -9,12 +9,10 @@ import re
 import weakref
 import zlib
 from collections.abc import Awaitable, Callable, Generator, Iterable
-from pathlib import Path
 from typing import Final
 
 from aiohttp import hdrs, web
 from aiohttp.abc import AbstractStreamWriter
-from multidict import CIMultiDict
 
 from hubserver.manifest import (
     FileChangedError,
@@ -39,8 +37,8 @@ NDJSON_CONTENT_TYPE = "application/x-ndjson"
 IMMUTABLE_CACHE_CONTROL = "public, max-age=31536000, immutable"
 
 _HEX16_RE: Final = re.compile(r"[0-9a-f]{16}")
-# The same grammar aiohttp's FileResponse accepts, so that what passes here is
-# interpreted there exactly as checked here.
+# One byte range (the grammar aiohttp's FileResponse accepts, which caches in
+# front of the hub are likely to share).
 _RANGE_RE: Final = re.compile(r"bytes=(\d*)-(\d*)", re.ASCII | re.IGNORECASE)
 # Byte positions fit in 63 bits; longer numbers are refused before int().
 _MAX_POSITION_DIGITS: Final = 19
@@ -49,19 +47,6 @@ _FILES_QUERY: Final = frozenset({"v", "bs"})  # bs: see checksums.file_data
 _NO_QUERY: Final = frozenset[str]()
 # Batch lines before compressing: one compress() call per line is slow.
 _RAW_BATCH_BYTES = 256 * 1024
-# Directory whose entries reopen an open descriptor by path (Linux).
-_FD_DIR: Final = Path("/proc/self/fd")
-# Request headers FileResponse would act on besides Range. The version in the
-# URL is the validator here, and the file must be sent as it is on disk.
-_IGNORED_REQUEST_HEADERS: Final = (
-    hdrs.IF_MATCH,
-    hdrs.IF_NONE_MATCH,
-    hdrs.IF_MODIFIED_SINCE,
-    hdrs.IF_UNMODIFIED_SINCE,
-    hdrs.IF_RANGE,
-    hdrs.ACCEPT_ENCODING,
-)
-
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -264,56 +249,66 @@ def parse_range(header: str | None, size_bytes: int) -> tuple[int, int] | None:
     return first, min(last, size_bytes - 1)
 
 
-class SnapshotFileResponse(web.FileResponse):
-    """A FileResponse for one file of the snapshot, sent from a verified
+class SnapshotFileResponse(web.StreamResponse):
+    """One file of the snapshot (or a range of it), sent with sendfile from a verified
     open descriptor.
 
-    The descriptor came from ``open_unchanged``; aiohttp reopens it through
-    ``/proc/self/fd``, so the bytes sent are those of the scanned inode and
-    nothing a path swap could substitute. aiohttp sets its own ETag while
-    preparing; ``restore_snapshot_etag`` (an ``on_response_prepare`` hook)
-    puts the protocol's back.
+    The descriptor came from ``open_unchanged``: the bytes sent are those of
+    the scanned inode, nothing a path swap could substitute. Length and range
+    are the snapshot's, not what a later stat says: a file that grows is sent
+    no byte past the snapshot's size, and one that shrinks while it is sent
+    ends the connection at once (the client sees a short body and retries),
+    not a wait for bytes that never come. Conditional request headers are
+    not acted on: the version in the URL is the validator.
     """
 
-    def __init__(self, fd: int, record: FileRecord, fallback_path: bytes, byte_range: tuple[int, int] | None) -> None:
-        if _FD_DIR.is_dir():
-            path: os.PathLike[str] | str = _FD_DIR / str(fd)
-        else:
-            path = os.fsdecode(fallback_path)
+    def __init__(self, fd: int, record: FileRecord, byte_range: tuple[int, int] | None) -> None:
+        first, last = byte_range if byte_range is not None else (0, record.size_bytes - 1)
         super().__init__(
-            path,
+            status=206 if byte_range is not None else 200,
             headers={
                 hdrs.CONTENT_TYPE: "application/octet-stream",
                 hdrs.CACHE_CONTROL: IMMUTABLE_CACHE_CONTROL,
                 hdrs.ACCEPT_RANGES: "bytes",
+                hdrs.ETAG: f'"{record.file_id}-{record.version}"',
             },
         )
+        if byte_range is not None:
+            self.headers[hdrs.CONTENT_RANGE] = f"bytes {first}-{last}/{record.size_bytes}"
+        self.content_length = last - first + 1
         self.record = record
         self.byte_range = byte_range  # first and last byte asked for; None for the whole file
         self.fd = fd  # open until sent (close_fd)
-        self.snapshot_etag = f'"{record.file_id}-{record.version}"'
         # Close the descriptor once sent, or when the response is dropped.
         self.close_fd = weakref.finalize(self, os.close, fd)
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
-        """Send the file, honouring Range only, then close the descriptor.
-        Once sent, further calls do nothing (aiohttp prepares a response a
-        middleware already sent)."""
+        """Send the headers and the bytes, then close the descriptor. Once sent, further
+        calls do nothing (aiohttp prepares a response a middleware already sent)."""
         if self.prepared:
             return None
-        headers = CIMultiDict(request.headers)
-        for name in _IGNORED_REQUEST_HEADERS:
-            headers.popall(name, None)
         try:
-            return await super().prepare(request.clone(headers=headers))
+            writer = await super().prepare(request)
+            if request.method != hdrs.METH_HEAD and self.content_length:
+                await self._send_body(request)
+            await super().write_eof()
+            return writer
         finally:
             self.close_fd()
 
-
-async def restore_snapshot_etag(request: web.Request, response: web.StreamResponse) -> None:
-    """``on_response_prepare`` hook: the protocol's ETag on file data."""
-    if isinstance(response, SnapshotFileResponse):
-        response.headers[hdrs.ETAG] = response.snapshot_etag
+    async def _send_body(self, request: web.BaseRequest) -> None:
+        transport = request.transport
+        if transport is None:
+            raise ConnectionResetError("connection lost")
+        offset = self.byte_range[0] if self.byte_range is not None else 0
+        length = self.content_length or 0
+        with open(self.fd, "rb", buffering=0, closefd=False) as file:  # noqa: ASYNC230 (wraps the open descriptor)
+            sent = await asyncio.get_running_loop().sendfile(transport, file, offset, length)
+        if sent < length:
+            LOG.warning("file %s shrank while being sent (%d of %d bytes); closing the connection",
+                        self.record.file_id, sent, length)
+            transport.abort()
+            raise ConnectionResetError(f"file {self.record.file_id} shrank while being sent")
 
 
 def _lookup(request: web.Request) -> FileRecord:
@@ -358,7 +353,7 @@ async def file_data(request: web.Request) -> web.StreamResponse:
         return json_error(412, f"file {record.file_id} changed on disk since the snapshot")
     try:
         byte_range = parse_range(range_header, record.size_bytes)
-        return SnapshotFileResponse(fd, record, snapshot.abs_path(record), byte_range)
+        return SnapshotFileResponse(fd, record, byte_range)
     except RangeNotSatisfiable as exc:
         os.close(fd)
         return json_error(

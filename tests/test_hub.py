@@ -494,6 +494,31 @@ def test_directory_swapped_for_outside_symlink_gives_412(tmp_path: Path) -> None
         assert b"root:" not in reply.body
 
 
+def test_a_file_truncated_while_it_is_sent_ends_the_connection_at_once(tmp_path: Path) -> None:
+    """The client gets a short body and a closed connection, not a wait until the idle
+    timeout for bytes promised by Content-Length that will never come."""
+    root = tmp_path / "root"
+    root.mkdir()
+    with open(root / "big.bin", "wb") as f:
+        f.truncate(64 << 20)  # sparse
+    with running_hub(root, ["--idle-timeout", "30"]) as hub:
+        entry = fetch_manifest(hub).by_path()["big.bin"]
+        with socket.create_connection((hub.host, hub.port), timeout=20) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)  # the hub's send waits for us
+            sock.sendall(f"GET {file_url(entry)} HTTP/1.1\r\nHost: hub\r\n\r\n".encode())
+            received = sock.recv(1 << 20)
+            while len(received) < (1 << 20):
+                received += sock.recv(1 << 20)
+            os.truncate(root / "big.bin", 0)  # same inode, now empty
+            truncated = time.monotonic()
+            while chunk := sock.recv(1 << 20):
+                received += chunk
+            closed_s = time.monotonic() - truncated
+        assert closed_s < 10, closed_s
+        assert len(received) < 64 << 20
+        assert hub.wait_for_stderr("shrank while being sent")
+
+
 def test_a_scan_never_records_a_file_outside_the_root(tmp_path: Path) -> None:
     """A directory swapped back and forth with a symlink to an outside directory while the
     tree is scanned (someone who can write in the dataset, a rescan): the scan never goes
