@@ -57,6 +57,10 @@ async def _snapshot_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
+async def _close_checksums(app: web.Application) -> None:
+    app[checksums.CHECKSUMS_KEY].close()
+
+
 def make_app(config: HubConfig, auth: HubAuth | None = None) -> web.Application:
     """Build the hub application; the root is scanned when it starts.
 
@@ -89,6 +93,7 @@ def make_app(config: HubConfig, auth: HubAuth | None = None) -> web.Application:
     add_get("/v1/manifest", handlers.manifest, allow_head=False, name=ENDPOINT_MANIFEST)
     add_get("/v1/files/{file_id}", checksums.file_data, name=ENDPOINT_FILES)
     app[checksums.CHECKSUMS_KEY] = checksums.ChecksumCache()
+    app.on_cleanup.append(_close_checksums)
     add_get("/v1/files/{file_id}/checksums", checksums.file_checksums, allow_head=False, name=ENDPOINT_CHECKSUMS)
     app[batch.SLOTS_KEY] = asyncio.Semaphore(batch.MAX_IN_MEMORY)
     add_get("/v1/batch", batch.batch, allow_head=False, name=ENDPOINT_BATCH)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import functools
 import logging
 import os
 import re
@@ -37,7 +39,13 @@ _HEX16: Final = re.compile(r"[0-9a-f]{16}")
 _ALLOWED: Final = frozenset({"v", "bs", "first", "count"})
 MIN_BLOCK_BYTES: Final = 64 * 1024
 MAX_BLOCK_BYTES: Final = 64 * 1024 * 1024
-MAX_COUNT: Final = 4096  # 32 KiB of answer; at most 256 GiB of hashing behind one request
+MAX_COUNT: Final = 4096  # 32 KiB of answer
+# Bytes one checksums request may have hashed (count x bs): the spoke asks for
+# 64 blocks at a time, at most 64 x 64 MiB.
+MAX_HASHED_BYTES: Final = 4 << 30
+# Threads hashing blocks: their own, so that requests for many checksums
+# never hold up the threads that open files and read batches for everyone.
+HASH_THREADS: Final = 4
 # Checksums kept: ~250 bytes each in memory (key, value, LRU links), so at most
 # ~65 MB; with 1 MiB blocks, the blocks of 256 GiB of data.
 REMEMBERED: Final = 1 << 18
@@ -52,6 +60,18 @@ class ChecksumCache:
         self._capacity = capacity
         self._sums: collections.OrderedDict[tuple[str, str, int, int], int] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._hashers = concurrent.futures.ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="checksums")
+
+    async def sums(
+        self, snapshot: Snapshot, record: FileRecord, block_bytes: int, first: int, count: int, fd: int | None = None
+    ) -> bytes:
+        """`block_sums` in the hashing threads."""
+        call = functools.partial(self.block_sums, snapshot, record, block_bytes, first, count, fd)
+        return await asyncio.get_running_loop().run_in_executor(self._hashers, call)
+
+    def close(self) -> None:
+        """Stop the hashing threads (at shutdown; hashing under way finishes in the background)."""
+        self._hashers.shutdown(wait=False, cancel_futures=True)
 
     def block_sums(
         self, snapshot: Snapshot, record: FileRecord, block_bytes: int, first: int, count: int, fd: int | None = None
@@ -119,11 +139,8 @@ async def file_data(request: web.Request) -> web.StreamResponse:
     if record.size_bytes == 0 or stop - first > MAX_HEADER_SUMS:
         return response
     snapshot = request.app[SNAPSHOT_KEY].current
-    loop = asyncio.get_running_loop()
     try:
-        sums = await loop.run_in_executor(
-            None, request.app[CHECKSUMS_KEY].block_sums, snapshot, record, block_bytes, first, stop - first, response.fd
-        )
+        sums = await request.app[CHECKSUMS_KEY].sums(snapshot, record, block_bytes, first, stop - first, response.fd)
     except FileChangedError as exc:
         response.close_fd()
         LOG.warning("file %s: %s; answering 412", record.file_id, exc)
@@ -144,6 +161,8 @@ async def file_checksums(request: web.Request) -> web.Response:
     block_bytes = block_bytes_param(request)
     first = _int_param(request, "first", 0, 1 << 40)
     count = _int_param(request, "count", 1, MAX_COUNT)
+    if count * block_bytes > MAX_HASHED_BYTES:
+        raise HubHTTPError(400, f"count x bs must be at most {MAX_HASHED_BYTES} bytes")
     snapshot = request.app[SNAPSHOT_KEY].current
     record = snapshot.files_by_id.get(file_id)
     if record is None:
@@ -152,10 +171,8 @@ async def file_checksums(request: web.Request) -> web.Response:
         raise HubHTTPError(412, f"file {file_id}: version {version} is not the snapshot's {record.version}")
     if first * block_bytes >= max(1, record.size_bytes):
         raise HubHTTPError(416, f"file {file_id} has no block {first} of {block_bytes} bytes")
-    cache = request.app[CHECKSUMS_KEY]
-    loop = asyncio.get_running_loop()
     try:
-        body = await loop.run_in_executor(None, cache.block_sums, snapshot, record, block_bytes, first, count)
+        body = await request.app[CHECKSUMS_KEY].sums(snapshot, record, block_bytes, first, count)
     except FileChangedError as exc:
         LOG.warning("file %s: %s; answering 412", file_id, exc)
         return json_error(412, f"file {file_id} changed on disk since the snapshot")

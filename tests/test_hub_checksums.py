@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -90,3 +93,32 @@ def test_data_answers_carry_the_sums_of_the_blocks_they_overlap(tmp_path: Path) 
         assert get_with_headers(url + f"&bs={block}", "bytes=999999-")[0] == 416
         (tmp_path / "f.bin").write_bytes(data + b"changed")
         assert get_with_headers(url + f"&bs={block}", "bytes=0-99")[0] == 412
+
+
+def test_checksum_requests_never_hold_up_other_requests(tmp_path: Path) -> None:
+    """Clients asking for the sums of many large blocks (and going away) keep the hub's
+    hashing threads busy, not the threads that open files for everyone else; one request
+    hashes at most 4 GiB."""
+    with open(tmp_path / "big.bin", "wb") as f:
+        f.truncate(24 << 30)  # sparse: hashing holes costs CPU, no disk
+    (tmp_path / "small.bin").write_bytes(b"s" * 100)
+    with running_hub(tmp_path) as hub:
+        files = manifest_files(hub.url)
+        big, small = files["big.bin"], files["small.bin"]
+        base = f"{hub.url}/v1/files/{big['i']}/checksums?v={big['v']}&bs={64 << 20}"
+        assert get(base + "&first=0&count=65")[0] == 400  # 65 x 64 MiB: more than 4 GiB of hashing
+
+        def ask_and_leave(first: int) -> None:
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(f"{base}&first={first}&count=64", timeout=0.3).read()
+
+        askers = [threading.Thread(target=ask_and_leave, args=(first,)) for first in range(0, 384, 64)]
+        for asker in askers:  # six requests of 4 GiB of hashing each: as many as the default executor's threads
+            asker.start()
+        for asker in askers:
+            asker.join()
+        started = time.monotonic()
+        status, body = get(f"{hub.url}/v1/files/{small['i']}?v={small['v']}")
+        waited_s = time.monotonic() - started
+    assert (status, body) == (200, b"s" * 100)
+    assert waited_s < 1.0, waited_s
