@@ -7,6 +7,7 @@ pyfuse3.main() and the mount with it, so every handler goes through
 
 from __future__ import annotations
 
+import collections
 import errno
 import functools
 import json
@@ -60,6 +61,44 @@ async def _read_only_async(*_args: Any, **_kwargs: Any) -> Any:
     raise pyfuse3.FUSEError(errno.EROFS)
 
 
+class PageCacheVersions:
+    """Keeps each open from reading another version's bytes out of the kernel's page cache.
+
+    Inode numbers survive a new generation (they are hashes of the path), so
+    both versions of a file changed by a refresh share one kernel inode and
+    its page cache. A handle opened before the refresh keeps reading its
+    version, and those pages stay in the cache: an open of the new version
+    would be served them. So an open of version V of an inode on which a
+    handle of another version is open bypasses the page cache (direct_io);
+    and the first open of V after such handles are all closed drops the
+    inode's pages (keep_cache off). Only inodes with another version's pages
+    are remembered (bounded by what refreshes changed while it was open).
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[int, collections.Counter[bytes]] = {}  # inode -> versions of its cached-read handles
+        self._stale: dict[int, bytes] = {}  # inode -> version whose pages it may still hold
+
+    def open(self, inode: Inode) -> tuple[bool, bool]:
+        """(direct_io, keep_cache) for a new handle of this inode's version."""
+        versions = self._open.get(inode.ino)
+        if versions is not None and any(version != inode.version for version in versions):
+            return True, False
+        self._open.setdefault(inode.ino, collections.Counter())[inode.version] += 1
+        return False, self._stale.pop(inode.ino, inode.version) == inode.version
+
+    def release(self, inode: Inode, current: Inode | None) -> None:
+        """A handle opened with (False, ...) closed; `current`: the namespace's inode now."""
+        versions = self._open[inode.ino]
+        versions[inode.version] -= 1
+        if versions[inode.version] <= 0:
+            del versions[inode.version]
+            if current is None or current.version != inode.version:
+                self._stale[inode.ino] = inode.version
+        if not versions:
+            del self._open[inode.ino]
+
+
 class CachefsOperations(pyfuse3.Operations):
     """Serves lookups from the namespace and reads through the reader."""
 
@@ -90,6 +129,8 @@ class CachefsOperations(pyfuse3.Operations):
         self._attr_timeout_s = attr_timeout_s
         self._stats_json = stats_json
         self._handles: dict[int, OpenFile] = {}
+        self._cached_handles: set[int] = set()  # read through the kernel's page cache (PageCacheVersions)
+        self._page_cache = PageCacheVersions()
         self._next_handle = 1
         self.initialized = False  # set once the kernel's FUSE_INIT was answered
 
@@ -206,8 +247,13 @@ class CachefsOperations(pyfuse3.Operations):
             # The kernel reads the cache's data file itself (its own page cache).
             return pyfuse3.FileInfo(fh=handle_id, keep_cache=False, backing_id=backing_id)
         self._reader.readahead.page_in_index(entry)
-        # The snapshot's bytes never change under this mount: keep the page cache.
-        return pyfuse3.FileInfo(fh=handle_id, keep_cache=True)
+        # A file version's bytes never change: keep the page cache (unless another version's is in it).
+        direct_io, keep_cache = self._page_cache.open(entry)
+        if direct_io:
+            log.info("inode %d is open in another version: this open bypasses the page cache", inode)
+        else:
+            self._cached_handles.add(handle_id)
+        return pyfuse3.FileInfo(fh=handle_id, keep_cache=keep_cache, direct_io=direct_io)
 
     @_guarded
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
@@ -232,6 +278,9 @@ class CachefsOperations(pyfuse3.Operations):
         if handle is not None:
             handle.closed = True  # read-ahead not yet started for it is dropped
             self._passthrough.release(handle.inode)
+            if fh in self._cached_handles:
+                self._cached_handles.discard(fh)
+                self._page_cache.release(handle.inode, self._namespace.get(handle.inode.ino))
 
     # No `flush`: pyfuse3 answers the first FLUSH with ENOSYS and the kernel then
     # stops sending one on every close() (nothing here is ever dirty). That is a

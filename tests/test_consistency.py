@@ -121,6 +121,39 @@ def test_removed_and_added_files_after_refresh(dataset: Path, tmp_path: Path) ->
             assert "new.txt" in os.listdir(spoke.mountpoint)
 
 
+def test_a_handle_opened_before_a_refresh_never_feeds_its_bytes_to_newer_opens(dataset: Path, tmp_path: Path) -> None:
+    """Both versions of a changed file share one kernel inode (and page cache): what a handle
+    opened before the refresh reads after it must not be what an open of the new version is
+    served, nor a later open once that handle is closed."""
+    source = tmp_path / "source"
+    shutil.copytree(dataset, source, symlinks=True)
+    relative = "shards/shard-001.bin"
+    old_bytes = (source / relative).read_bytes()
+    new_bytes = bytes(byte ^ 0xFF for byte in old_bytes)  # same size
+    block = TEST_BLOCK_SIZE
+    with running_hub(source) as hub, mounted_spoke(hub.url, tmp_path, ARGS) as spoke:
+        path = spoke.mountpoint / relative
+        old_handle = os.open(path, os.O_RDONLY)
+        try:
+            assert os.pread(old_handle, block, 0) == old_bytes[:block]
+            (source / "replacement").write_bytes(new_bytes)
+            os.replace(source / "replacement", source / relative)
+            with urllib.request.urlopen(urllib.request.Request(hub.url + "/v1/rescan", method="POST"), timeout=30):
+                pass
+            assert run_cachefs("refresh", spoke.mountpoint).returncode == 0
+            assert os.pread(old_handle, 2 * block, 0) == old_bytes[: 2 * block]  # it keeps its version
+            new_handle = os.open(path, os.O_RDONLY)
+            try:
+                assert os.pread(new_handle, 3 * block, 0) == new_bytes[: 3 * block]
+                assert os.pread(old_handle, block, 2 * block) == old_bytes[2 * block : 3 * block]
+                assert os.pread(new_handle, block, 2 * block) == new_bytes[2 * block : 3 * block]
+            finally:
+                os.close(new_handle)
+        finally:
+            os.close(old_handle)
+        assert path.read_bytes() == new_bytes  # and once the old handle is closed
+
+
 def test_refresh_interval_follows_the_hub(dataset: Path, tmp_path: Path) -> None:
     source = tmp_path / "source"
     shutil.copytree(dataset, source, symlinks=True)
