@@ -294,6 +294,8 @@ async def _invalidate_kernel_caches(changes: NamespaceChanges) -> None:
         for parent, name, ino in changes.removed:
             _ignore_missing(pyfuse3.invalidate_entry, parent, name)
             _ignore_missing(pyfuse3.invalidate_inode, ino)
+        for parent, name in changes.added:  # a negative entry, or one of another kind
+            _ignore_missing(pyfuse3.invalidate_entry, parent, name)
 
     await trio.to_thread.run_sync(invalidate)
 

@@ -211,6 +211,9 @@ class NamespaceChanges:
 
     changed: list[int] = dataclasses.field(default_factory=list)  # inodes whose attributes or content changed
     removed: list[tuple[int, bytes, int]] = dataclasses.field(default_factory=list)  # (parent, name, inode)
+    # (parent, name) of new paths (the kernel may hold a negative entry for them) and
+    # of paths whose kind changed (a file became a directory: a new kernel inode)
+    added: list[tuple[int, bytes]] = dataclasses.field(default_factory=list)
 
 
 def inode_number(path: str) -> int:
@@ -281,6 +284,7 @@ def _write_entries(
         if inode.ino in seen or (inode.parent not in seen and path != ""):
             raise HubProtocolError(f"manifest entry {path!r} is duplicated or comes before its directory")
         seen.add(inode.ino)
+        name = b""
         if path != "":
             name = os.fsencode(path.rpartition("/")[2])
             position = next_position.get(inode.parent, 0)
@@ -293,6 +297,8 @@ def _write_entries(
         old = txn.get(_INO.pack(inode.ino), db=db.inodes)
         if old is not None and _without_position(old) != _without_position(packed):
             changes.changed.append(inode.ino)
+        if path != "" and (old is None or _ATTRS.unpack_from(old)[0] != inode.kind):
+            changes.added.append((inode.parent, name))
         txn.put(_INO.pack(inode.ino), packed, db=db.inodes)
         file_bytes += inode.size if inode.is_file else 0
         entries += 1

@@ -154,6 +154,25 @@ def test_a_handle_opened_before_a_refresh_never_feeds_its_bytes_to_newer_opens(d
         assert path.read_bytes() == new_bytes  # and once the old handle is closed
 
 
+def test_a_refresh_shows_names_looked_up_before_and_paths_that_changed_kind(dataset: Path, tmp_path: Path) -> None:
+    """The kernel caches "no such file" (the snapshot cannot change) and a path's kind with its
+    inode number (a hash of the path): a refresh makes it forget both for what it changes."""
+    source = tmp_path / "source"
+    shutil.copytree(dataset, source, symlinks=True)
+    with running_hub(source) as hub, mounted_spoke(hub.url, tmp_path, ARGS) as spoke:
+        added, retyped = spoke.mountpoint / "added.txt", spoke.mountpoint / "with space.txt"
+        assert not added.exists() and retyped.is_file()  # both now in the kernel's caches
+        (source / "added.txt").write_text("added later\n")
+        (source / "with space.txt").unlink()
+        (source / "with space.txt").mkdir()
+        (source / "with space.txt" / "inner").write_text("inner\n")
+        with urllib.request.urlopen(urllib.request.Request(hub.url + "/v1/rescan", method="POST"), timeout=30):
+            pass
+        assert run_cachefs("refresh", spoke.mountpoint).returncode == 0
+        assert added.read_text() == "added later\n"
+        assert retyped.is_dir() and (retyped / "inner").read_text() == "inner\n"
+
+
 def test_refresh_interval_follows_the_hub(dataset: Path, tmp_path: Path) -> None:
     source = tmp_path / "source"
     shutil.copytree(dataset, source, symlinks=True)
