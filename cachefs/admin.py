@@ -149,7 +149,7 @@ class Admin:
             raise CachefsError("refresh is not available")
         try:
             return await self._refresh()
-        except HubError as exc:
+        except CachefsError as exc:  # the hub, or no room for its manifest
             raise CachefsError(f"cannot refresh: {exc}") from None
         except trio.TooSlowError:
             raise CachefsError("cannot refresh: the hub did not answer in time") from None

@@ -18,14 +18,15 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import trio
 
 from .cache import BlockCache
 from .config import MountConfig
 from .db import Database, put_meta
-from .errors import HubError
+from .errors import CachefsError, HubError
 from .hub_client import HubClient, parse_json
-from .namespace import Namespace, NamespaceChanges, load_manifest
+from .namespace import ManifestSummary, Namespace, NamespaceChanges, load_manifest
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +49,17 @@ class Snapshots:
         stored = self._namespace.summary()
         try:
             generation = await self._download(stored.generation if stored else None)
-        except (HubError, trio.TooSlowError) as exc:
+        except (CachefsError, trio.TooSlowError) as exc:  # the hub, or no room for its manifest
             reason = str(exc) or "timed out"
             if stored is None:
+                if isinstance(exc, CachefsError) and not isinstance(exc, HubError):
+                    raise
                 raise HubError(f"cannot get the manifest from hub {self._config.hub_url}: {reason}") from None
-            log.warning("hub %s unreachable (%s); serving the cached snapshot %s offline",
+            log.warning("no new manifest from hub %s (%s); serving the cached snapshot %s offline",
                         self._config.hub_url, reason, stored.generation)
             return
         if generation is not None:
-            await trio.to_thread.run_sync(load_manifest, self._db, self._manifest_path)
+            await self._load()
             put_meta(self._db, "hub_url", str(self._config.hub_url))
         self._manifest_path.unlink(missing_ok=True)
 
@@ -67,7 +70,7 @@ class Snapshots:
             generation = await self._download(old.generation if old else None)
             if generation is None:
                 return {"generation": old.generation if old else None, "changed": False}
-            summary, changes = await trio.to_thread.run_sync(load_manifest, self._db, self._manifest_path)
+            summary, changes = await self._load()
             self._manifest_path.unlink(missing_ok=True)
             await invalidate(changes)
             dropped = await trio.to_thread.run_sync(cache.drop_stale, self._namespace.file_version)
@@ -92,14 +95,32 @@ class Snapshots:
                 summary = self._namespace.summary()
                 if summary is not None and health.get("generation") != summary.generation:
                     await refresh()
-            except (HubError, trio.TooSlowError) as exc:
-                log.info("generation poll failed: %s", exc or "timed out")
+            except HubError as exc:
+                log.info("generation poll failed: %s", exc)
+            except trio.TooSlowError:
+                log.info("generation poll failed: timed out")
+            except CachefsError as exc:  # no room for the manifest: the mount stays on its generation
+                log.warning("cannot move to the hub's new generation: %s; will try again", exc)
 
     async def _download(self, known_generation: str | None) -> str | None:
-        """Save the manifest to disk; None if its generation is `known_generation`."""
-        self._manifest_path.parent.mkdir(mode=0o700, exist_ok=True)
-        with trio.fail_after(max(self._config.fetch_timeout_s, 60.0)):
-            return await _download_manifest(self._client, self._manifest_path, known_generation)
+        """Save the manifest to disk; None if its generation is `known_generation`.
+        Raises CachefsError (after removing what was written) if it cannot be stored."""
+        try:
+            self._manifest_path.parent.mkdir(mode=0o700, exist_ok=True)
+            with trio.fail_after(max(self._config.fetch_timeout_s, 60.0)):
+                return await _download_manifest(self._client, self._manifest_path, known_generation)
+        except OSError as exc:
+            self._manifest_path.unlink(missing_ok=True)
+            raise CachefsError(f"cannot store the hub's manifest in {self._manifest_path.parent}: "
+                               f"{exc.strerror or exc}") from None
+
+    async def _load(self) -> tuple[ManifestSummary, NamespaceChanges]:
+        """Load the downloaded manifest into the namespace (one transaction: all or nothing)."""
+        try:
+            return await trio.to_thread.run_sync(load_manifest, self._db, self._manifest_path)
+        except (OSError, lmdb.Error) as exc:
+            self._manifest_path.unlink(missing_ok=True)
+            raise CachefsError(f"cannot load the hub's manifest into {self._config.cache_dir}: {exc}") from None
 
 
 async def _download_manifest(client: HubClient, path: Path, known_generation: str | None) -> str | None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
+import shutil
 import subprocess
 import threading
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -235,6 +239,33 @@ def test_full_disk_keeps_serving_and_resumes_caching(hub, dataset: Path, tmp_pat
         read_all(spoke, dataset, ["shards/shard-002.bin"])
         wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == TEST_BLOCK_SIZE)  # caching again
         assert "disk space returned" in spoke.log_text()
+
+
+def test_a_full_disk_holds_refreshes_back_without_ending_the_mount(
+    dataset: Path, tmp_path: Path, small_filesystem: Path
+) -> None:
+    """--refresh-interval while the cache dir's disk is full: the new manifest cannot be
+    stored, the mount keeps serving its generation and moves on once there is room."""
+    source = tmp_path / "source"
+    shutil.copytree(dataset, source, symlinks=True)
+    args = (*PLAIN_ARGS, "--refresh-interval", "0.3")
+    with running_hub(source) as hub, mounted_spoke(hub.url, tmp_path, args, cache_dir=small_filesystem / "cache") as spoke:
+        assert (spoke.mountpoint / "with space.txt").read_text() == "a name with a space\n"
+        filler = small_filesystem / "filler"
+        with open(filler, "wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(bytes(64 * 1024))
+                f.flush()
+        (source / "new.txt").write_text("added later\n")
+        with urllib.request.urlopen(urllib.request.Request(hub.url + "/v1/rescan", method="POST"), timeout=30):
+            pass
+        wait_for_stats(spoke, lambda _stats: "cannot move to the hub's new generation" in spoke.log_text())
+        assert (spoke.mountpoint / "with space.txt").read_text() == "a name with a space\n"  # still serving
+        filler.unlink()
+        deadline = time.monotonic() + 30
+        while not (spoke.mountpoint / "new.txt").exists():
+            assert time.monotonic() < deadline, "the mount did not move on once there was room"
+            time.sleep(0.1)
 
 
 def test_operator_commands_reject_bad_paths(spoke: SpokeMount, tmp_path: Path) -> None:
