@@ -202,17 +202,28 @@ class EntryStore:
         if chunk is None:
             assert self._fd is not None
             chunk = array.array("Q")
-            chunk.frombytes(os.pread(self._fd, CHUNK_ENTRIES * chunk.itemsize, number * CHUNK_ENTRIES * chunk.itemsize))
+            data = os.pread(self._fd, CHUNK_ENTRIES * chunk.itemsize, number * CHUNK_ENTRIES * chunk.itemsize)
+            if len(data) != CHUNK_ENTRIES * chunk.itemsize:
+                raise CachefsError(f"spilled plan entries in {self._spill_path} are cut short")
+            chunk.frombytes(data)
             self._loaded[number] = chunk
             while len(self._loaded) > 2:
                 self._loaded.popitem(last=False)
         return chunk
 
     def _spill(self, number: int, chunk: array.array[int]) -> None:
-        if self._fd is None:
-            self._spill_path.parent.mkdir(mode=0o700, exist_ok=True)
-            self._fd = os.open(self._spill_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.pwrite(self._fd, chunk.tobytes(), number * CHUNK_ENTRIES * chunk.itemsize)
+        """Write a chunk to the spill file, whole; raises CachefsError (the plan is refused) if it cannot."""
+        data, offset = memoryview(chunk.tobytes()), number * CHUNK_ENTRIES * chunk.itemsize
+        try:
+            if self._fd is None:
+                self._spill_path.parent.mkdir(mode=0o700, exist_ok=True)
+                self._fd = os.open(self._spill_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            while data:  # a nearly full disk writes part of it, then fails with ENOSPC
+                written = os.pwrite(self._fd, data, offset)
+                data, offset = data[written:], offset + written
+        except OSError as exc:
+            raise CachefsError(f"plan rejected: cannot spill its entries to {self._spill_path.parent}: "
+                               f"{exc.strerror or exc}") from None
         self.spilled_chunks += 1
 
 
@@ -630,7 +641,11 @@ class Planner:
                     self._drop_passed()
                     self._reclaim_from_idle_plans()
                 for plan in list(self._plans.values()):
-                    self._issue(plan)
+                    try:
+                        self._issue(plan)
+                    except CachefsError as exc:  # its spilled entries cannot be read back
+                        log.error("plan %d: %s; cancelling it", plan.id, exc)
+                        self._end(plan)
 
     def _drop_passed(self) -> None:
         """Forget buffered blocks their plan moved past (or ended) without reading them: wasted."""

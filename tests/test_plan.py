@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import random
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ from cachefs import plan as cachefs_plan
 from cachefs import planner
 from cachefs.bench.plan_bench import belady_hits
 from cachefs.cache import BlockKey
+from cachefs.errors import CachefsError
 from cachefs.namespace import KIND_FILE, Inode
 from cachefs.planner import INITIAL_LOOKAHEAD_BLOCKS
 
@@ -273,6 +277,36 @@ def test_entry_store_spills_beyond_memory_and_reads_back(tmp_path: Path, monkeyp
     assert list(store.entries(40, 50)) == values[40:]
     store.close()
     assert not spill.exists()
+
+
+def test_a_plan_that_cannot_be_spilled_is_refused_and_a_cut_spill_file_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A nearly full disk writes part of a chunk and then fails: the plan is refused (before,
+    the short write went unnoticed and reading the chunk back looped forever on the trio
+    thread, hanging the mount); a spill file cut short later is an error, not a hang."""
+    monkeypatch.setattr(planner, "CHUNK_ENTRIES", 4096)  # 32 KiB per chunk
+    monkeypatch.setattr(planner, "MEMORY_CHUNKS", 1)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], check=True)
+    try:
+        with open(disk / "filler", "wb") as filler, contextlib.suppress(OSError):
+            filler.write(bytes(256 * 1024 - 20 * 1024))  # 20 KiB left
+        store = planner.EntryStore(disk / "plans" / "1.entries")
+        with pytest.raises(CachefsError, match="cannot spill"):
+            for value in range(3 * 4096):
+                store.append(value)
+        store.close()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+    store = planner.EntryStore(tmp_path / "2.entries")
+    for value in range(3 * 4096):
+        store.append(value)
+    os.truncate(tmp_path / "2.entries", 4096 * 8 + 100)  # the second chunk cut short
+    with pytest.raises(CachefsError, match="cut short"):
+        list(store.entries(4096, 3 * 4096))
+    store.close()
 
 
 def test_a_block_read_often_but_not_planned_never_displaces_a_planned_one(hub, dataset: Path, tmp_path: Path) -> None:
