@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import random
 import subprocess
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -279,6 +281,33 @@ def test_entry_store_spills_beyond_memory_and_reads_back(tmp_path: Path, monkeyp
     assert not spill.exists()
 
 
+def test_a_plan_of_many_files_keeps_a_compact_file_table(tmp_path: Path) -> None:
+    """An ImageNet-like plan names a million files: its table costs a few dozen bytes a file
+    (an Inode and a dict entry each took ~490), and lookups find each file by id and version."""
+    count = 50_000
+    inodes = [Inode(ino=2 + n, kind=KIND_FILE, mode=0o444, mtime_ns=0, size=40_000 + n, parent=1,
+                    file_id=random.Random(n).randbytes(8), version=n.to_bytes(8, "big")) for n in range(count)]
+    tracemalloc.start()
+    try:
+        plan = planner.Plan(1, 1, planner.EntryStore(tmp_path / "1.entries"), block_size=1 << 20)
+        before = tracemalloc.get_traced_memory()[0]
+        for inode in inodes:
+            plan.add_file(inode)
+        plan.add_file(inodes[7])  # named twice: found at its first index
+        plan.mark_complete()
+        per_file = (tracemalloc.get_traced_memory()[0] - before) / count
+    finally:
+        tracemalloc.stop()
+    assert per_file < 64, per_file
+    for n in (0, 7, 12_345, count - 1):
+        entry = plan.key_of(BlockKey(inodes[n].file_id, inodes[n].version, 3))
+        assert entry is not None and plan.block_key(entry) == BlockKey(inodes[n].file_id, inodes[n].version, 3)
+        assert plan.block_length(entry - 3) == 40_000 + n and plan.covers(inodes[n])
+    assert plan.key_of(BlockKey(inodes[5].file_id, inodes[6].version, 0)) is None  # another version
+    assert not plan.covers(dataclasses.replace(inodes[5], file_id=b"\0" * 8))
+    plan.store.close()
+
+
 def test_a_plan_that_cannot_be_spilled_is_refused_and_a_cut_spill_file_is_an_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -353,7 +382,7 @@ def _plan_of(tmp_path: Path, blocks: list[int]) -> planner.Plan:
                         file_id=b"f" * 8, version=b"v" * 8))
     for block in blocks:
         plan.add_read(0, block, 1)
-    plan.complete = True
+    plan.mark_complete()
     plan.extend_horizon(len(blocks))
     return plan
 
@@ -363,8 +392,7 @@ def test_a_held_block_its_plan_moved_past_is_judged_by_its_next_use(tmp_path: Pa
     monkeypatch.setattr(planner, "CHUNK_ENTRIES", 8)  # the window drops consumed uses early
     blocks = [index % 50 for index in range(200)]  # block b is used at b, b + 50, b + 100, b + 150
     plan = _plan_of(tmp_path, blocks)
-    inode = plan.files[0]
-    key = BlockKey(inode.file_id, inode.version, 3)
+    key = plan.block_key(3)
     assert plan.distance_after(3, key) == 53  # held for its use at 3: the use at 53 is what counts
     for position, block in enumerate(blocks[:110]):
         if position != 3:  # the held copy's reader never came (its use was served elsewhere)
