@@ -92,7 +92,7 @@ def make_app(config: HubConfig, auth: HubAuth | None = None) -> web.Application:
     # No HEAD for the manifest: it would build and compress it for nothing.
     add_get("/v1/manifest", handlers.manifest, allow_head=False, name=ENDPOINT_MANIFEST)
     add_get("/v1/files/{file_id}", checksums.file_data, name=ENDPOINT_FILES)
-    app[checksums.CHECKSUMS_KEY] = checksums.ChecksumCache()
+    app[checksums.CHECKSUMS_KEY] = checksums.ChecksumCache(on_hashed=metrics.checksum_hashed_bytes.inc)
     app.on_cleanup.append(_close_checksums)
     add_get("/v1/files/{file_id}/checksums", checksums.file_checksums, allow_head=False, name=ENDPOINT_CHECKSUMS)
     app[batch.SLOTS_KEY] = asyncio.Semaphore(batch.MAX_IN_MEMORY)

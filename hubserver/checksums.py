@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Callable
 from typing import Final
 
 import xxhash
@@ -53,12 +54,22 @@ SUMS_HEADER: Final = "Cachefs-Block-Sums"
 MAX_HEADER_SUMS: Final = 64  # ~1.1 KB of header; larger ranges get no header
 
 
-class ChecksumCache:
-    """(file id, version, block size, block) -> xxh3_64, least recently used forgotten."""
+_Key = tuple[str, str, int, int]  # file id, version, block size, block
 
-    def __init__(self, capacity: int = REMEMBERED) -> None:
+
+class ChecksumCache:
+    """(file id, version, block size, block) -> xxh3_64, least recently used forgotten.
+
+    Computed once: a request for sums another request is computing waits for
+    that computation (many spokes starting cold on one dataset ask for the
+    same blocks at once). `on_hashed` is told the bytes each computation read.
+    """
+
+    def __init__(self, capacity: int = REMEMBERED, on_hashed: Callable[[int], object] = lambda _bytes: None) -> None:
         self._capacity = capacity
-        self._sums: collections.OrderedDict[tuple[str, str, int, int], int] = collections.OrderedDict()
+        self._on_hashed = on_hashed
+        self._sums: collections.OrderedDict[_Key, int] = collections.OrderedDict()
+        self._computing: dict[_Key, threading.Event] = {}  # set when that computation is over
         self._lock = threading.Lock()
         self._hashers = concurrent.futures.ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="checksums")
 
@@ -84,26 +95,51 @@ class ChecksumCache:
         keys = [(record.file_id, record.version, block_bytes, block) for block in range(first, last)]
         with self._lock:
             known = {key: self._sums[key] for key in keys if key in self._sums}
-        missing = [key for key in keys if key not in known]
-        if missing:
-            known.update(self._compute(snapshot, record, block_bytes, missing, fd))
-        elif fd is None and not check_unchanged(snapshot, record):  # remembered sums are only good for the scanned file
-            raise FileChangedError(f"{record.path!r} changed since the scan")
+            others = {self._computing[key] for key in keys if key not in known and key in self._computing}
+            mine = [key for key in keys if key not in known and key not in self._computing]
+            done = threading.Event()
+            self._computing.update((key, done) for key in mine)
+        try:
+            if mine:  # first its own share, then wait for the others' (no waiting in a cycle)
+                known.update(self._compute(snapshot, record, block_bytes, mine, fd))
+        finally:
+            with self._lock:
+                self._remember(known)
+                for key in mine:
+                    del self._computing[key]
+            done.set()
+        for event in others:
+            event.wait()
         with self._lock:
-            for key in keys:
-                self._sums[key] = known[key]
-                self._sums.move_to_end(key)
-            while len(self._sums) > self._capacity:
-                self._sums.popitem(last=False)
+            known.update((key, self._sums[key]) for key in keys if key not in known and key in self._sums)
+        left = [key for key in keys if key not in known]  # another computation failed (the file changed?)
+        if left:
+            known.update(self._compute(snapshot, record, block_bytes, left, fd))
+        elif not mine and fd is None and not check_unchanged(snapshot, record):
+            raise FileChangedError(f"{record.path!r} changed since the scan")  # remembered sums are for the scanned file
+        with self._lock:
+            self._remember({key: known[key] for key in keys})
         return b"".join(known[key].to_bytes(8, "big") for key in keys)
 
-    @staticmethod
+    def _remember(self, sums: dict[_Key, int]) -> None:
+        """Keep these sums as the most recently used (the lock held)."""
+        for key, checksum in sums.items():
+            self._sums[key] = checksum
+            self._sums.move_to_end(key)
+        while len(self._sums) > self._capacity:
+            self._sums.popitem(last=False)
+
     def _compute(
-        snapshot: Snapshot, record: FileRecord, block_bytes: int, keys: list[tuple[str, str, int, int]], fd: int | None
-    ) -> dict[tuple[str, str, int, int], int]:
+        self, snapshot: Snapshot, record: FileRecord, block_bytes: int, keys: list[_Key], fd: int | None
+    ) -> dict[_Key, int]:
         source = open_unchanged(snapshot, record) if fd is None else fd
+        sums = {}
         try:
-            return {key: xxhash.xxh3_64_intdigest(os.pread(source, block_bytes, key[3] * block_bytes)) for key in keys}
+            for key in keys:
+                data = os.pread(source, block_bytes, key[3] * block_bytes)
+                self._on_hashed(len(data))
+                sums[key] = xxhash.xxh3_64_intdigest(data)
+            return sums
         finally:
             if fd is None:
                 os.close(source)

@@ -129,6 +129,12 @@ class HubMetrics:
             ["result"],
             registry=registry,
         )
+        self.checksum_hashed_bytes = Counter(
+            f"{PREFIX}_checksum_hashed_bytes",
+            "Bytes read and hashed to compute block checksums (each block once while it is "
+            "remembered; concurrent requests for it share one computation)",
+            registry=registry,
+        )
         self.snapshot_info = Gauge(
             f"{PREFIX}_snapshot_info",
             "Always 1; the label carries the generation of the snapshot being served",

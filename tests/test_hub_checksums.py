@@ -122,3 +122,36 @@ def test_checksum_requests_never_hold_up_other_requests(tmp_path: Path) -> None:
         waited_s = time.monotonic() - started
     assert (status, body) == (200, b"s" * 100)
     assert waited_s < 1.0, waited_s
+
+
+def test_concurrent_requests_for_the_same_sums_share_one_computation(tmp_path: Path) -> None:
+    """Spokes starting cold on one dataset ask for the same checksums at once: the hub reads
+    and hashes each block once (cachefs_hub_checksum_hashed_bytes_total), all get the sums."""
+    with open(tmp_path / "big.bin", "wb") as f:
+        f.truncate(1 << 30)  # sparse: 64 blocks of 16 MiB
+    with running_hub(tmp_path) as hub:
+        big = manifest_files(hub.url)["big.bin"]
+        url = f"{hub.url}/v1/files/{big['i']}/checksums?v={big['v']}&bs={16 << 20}&first=0&count=64"
+        answers: list[tuple[int, bytes]] = []
+
+        def ask() -> None:
+            answers.append(get(url))
+
+        askers = [threading.Thread(target=ask) for _ in range(3)]
+        for asker in askers:
+            asker.start()
+            time.sleep(0.1)  # while the first is hashing
+        for asker in askers:
+            asker.join()
+        ask()  # afterwards: remembered
+        hashed = hashed_bytes(hub.url)
+    assert [status for status, _body in answers] == [200] * 4
+    assert len({body for _status, body in answers}) == 1
+    assert hashed == 1 << 30  # once, not once per request
+
+
+def hashed_bytes(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("cachefs_hub_checksum_hashed_bytes_total "))
