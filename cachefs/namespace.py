@@ -64,7 +64,12 @@ class Inode:
 
     def block_length(self, blockno: int, block_size: int) -> int:
         """Bytes in block `blockno` (block_size, except for the last block)."""
-        return min(block_size, self.size - blockno * block_size)
+        return block_length(self.size, blockno, block_size)
+
+
+def block_length(size: int, blockno: int, block_size: int) -> int:
+    """Bytes in block `blockno` of a file of `size` bytes (block_size, except for the last block)."""
+    return min(block_size, size - blockno * block_size)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

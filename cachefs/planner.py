@@ -75,7 +75,7 @@ from .control import Lines, Progress
 from .errors import CachefsError
 from .fetcher import Fetcher
 from .metrics import Stats
-from .namespace import Inode, Namespace
+from .namespace import Inode, Namespace, block_length
 from .readahead import COALESCE_BLOCKS, logging_failure
 from .training_stats import TrainingStats
 
@@ -352,8 +352,7 @@ class Plan:
         return BlockKey(self.files.file_id(index), self.files.version(index), key & ((1 << _BLOCK_BITS) - 1))
 
     def block_length(self, key: int) -> int:
-        blockno = key & ((1 << _BLOCK_BITS) - 1)
-        return min(self.block_size, self.files.sizes[key >> _BLOCK_BITS] - blockno * self.block_size)
+        return block_length(self.files.sizes[key >> _BLOCK_BITS], key & ((1 << _BLOCK_BITS) - 1), self.block_size)
 
     def key_at(self, position: int) -> int:
         return self._keys[position - self._base]

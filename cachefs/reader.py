@@ -180,8 +180,8 @@ class Reader:
         if data is None and planned is not None:
             data = planned
             self._memory.put(key, data)
-        deadline = self._fetcher.deadline()
         if data is None:
+            deadline = self._fetcher.deadline()  # the read's own fetch timeout starts here
             flight = self._fetcher.flight(key)
             if flight is not None:
                 if flight.done.is_set():
