@@ -110,15 +110,17 @@ class ChecksumCache:
             done.set()
         for event in others:
             event.wait()
-        with self._lock:
-            known.update((key, self._sums[key]) for key in keys if key not in known and key in self._sums)
-        left = [key for key in keys if key not in known]  # another computation failed (the file changed?)
+        with self._lock:  # what the others computed (their turn in the LRU is now too)
+            later = {key: self._sums[key] for key in keys if key not in known and key in self._sums}
+        left = [key for key in keys if key not in known and key not in later]  # another computation failed
         if left:
-            known.update(self._compute(snapshot, record, block_bytes, left, fd))
+            later.update(self._compute(snapshot, record, block_bytes, left, fd))
         elif not mine and fd is None and not check_unchanged(snapshot, record):
             raise FileChangedError(f"{record.path!r} changed since the scan")  # remembered sums are for the scanned file
-        with self._lock:
-            self._remember({key: known[key] for key in keys})
+        if later:
+            with self._lock:
+                self._remember(later)
+            known.update(later)
         return b"".join(known[key].to_bytes(8, "big") for key in keys)
 
     def _remember(self, sums: dict[_Key, int]) -> None:

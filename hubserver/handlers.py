@@ -44,7 +44,7 @@ _RANGE_RE: Final = re.compile(r"bytes=(\d*)-(\d*)", re.ASCII | re.IGNORECASE)
 _MAX_POSITION_DIGITS: Final = 19
 # Query parameters each endpoint accepts; anything else is a 400.
 _FILES_QUERY: Final = frozenset({"v", "bs"})  # bs: see checksums.file_data
-_NO_QUERY: Final = frozenset[str]()
+NO_QUERY: Final = frozenset[str]()
 # Batch lines before compressing: one compress() call per line is slow.
 _RAW_BATCH_BYTES = 256 * 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -134,7 +134,7 @@ async def set_server_header(request: web.Request, response: web.StreamResponse) 
 
 async def healthz(request: web.Request) -> web.Response:
     """``GET /healthz``: liveness plus what the snapshot holds."""
-    check_query(request, _NO_QUERY)
+    check_query(request, NO_QUERY)
     snapshot = request.app[SNAPSHOT_KEY].current
     return web.json_response(
         {
@@ -181,7 +181,7 @@ async def manifest(request: web.Request) -> web.StreamResponse:
     body is compressed exactly once. A client that goes away mid-way ends
     the handler with ConnectionError.
     """
-    check_query(request, _NO_QUERY)
+    check_query(request, NO_QUERY)
     snapshot = request.app[SNAPSHOT_KEY].current
     chunk_bytes = request.app[MANIFEST_CHUNK_BYTES_KEY]
     response = web.StreamResponse(
@@ -213,7 +213,7 @@ async def manifest(request: web.Request) -> web.StreamResponse:
 
 async def metrics(request: web.Request) -> web.Response:
     """``GET /metrics``: this hub's metrics, Prometheus text format."""
-    check_query(request, _NO_QUERY)
+    check_query(request, NO_QUERY)
     body, content_type = request.app[METRICS_KEY].exposition(request.headers.get(hdrs.ACCEPT))
     return web.Response(body=body, headers={hdrs.CONTENT_TYPE: content_type, hdrs.CACHE_CONTROL: "no-store"})
 

@@ -189,8 +189,8 @@ def _walk(root: bytes) -> Iterator[_Scanned]:
     except OSError:
         os.close(root_fd)
         raise
-    yield _Scanned(b"", os.fstat(root_fd))
     try:
+        yield _Scanned(b"", os.fstat(root_fd))
         while stack:
             prefix, dir_fd, children = stack[-1]
             child = next(children, None)

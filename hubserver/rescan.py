@@ -23,7 +23,7 @@ from typing import Final
 
 from aiohttp import web
 
-from hubserver.handlers import SNAPSHOT_KEY, HubHTTPError, check_query
+from hubserver.handlers import NO_QUERY, SNAPSHOT_KEY, HubHTTPError, check_query
 from hubserver.manifest import Snapshot, scan
 from hubserver.metrics import HubMetrics
 
@@ -93,7 +93,7 @@ async def rescan_periodically(holder: SnapshotHolder, interval_s: float) -> None
 async def rescan_request(request: web.Request) -> web.Response:
     """``POST /v1/rescan``: publish a new generation now (unless one was scanned just now).
     A root that cannot be scanned answers 503; the current generation stays."""
-    check_query(request, frozenset())
+    check_query(request, NO_QUERY)
     holder: SnapshotHolder = request.app[SNAPSHOT_KEY]
     try:
         snapshot, scanned = await holder.rescan(unless_recent=True)
