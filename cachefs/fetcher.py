@@ -165,7 +165,8 @@ class Fetcher:
         self._batch_written = trio.Event()  # set (and replaced) after each committed batch
         self.requests_in_flight = 0
         # Blocks fetched by read-ahead and not read yet, to count how many are
-        # used (bounded: the oldest are forgotten).
+        # used and for admission, which counts their reads as coming (bounded:
+        # the oldest are forgotten).
         self.prefetched: collections.OrderedDict[BlockKey, None] = collections.OrderedDict()
         self._unread: collections.OrderedDict[BlockKey, BlockData] = collections.OrderedDict()
         self._unread_bytes = 0
@@ -443,7 +444,7 @@ class Fetcher:
                         break
                     batch_bytes += len(batch[-1][1])
                 kept = [item for item in batch if item[0] not in self._discarded]
-                ahead = {key for key, _data, _force in kept if key in self.prefetched}  # not read yet
+                ahead = frozenset(self.prefetched)  # read ahead and not read yet, offered or cached
                 try:
                     if kept:
                         await trio.to_thread.run_sync(self._cache.insert_many, kept, ahead)

@@ -69,6 +69,20 @@ def test_a_block_read_ahead_counts_the_read_on_its_way(cache: BlockCache) -> Non
     assert cached(cache) == {1, 2, 3, 9}
 
 
+def test_a_cached_block_waiting_for_its_reader_keeps_its_place(cache: BlockCache) -> None:
+    """A stream's read-ahead runs past a full cache: the blocks it cached and its reader has
+    not reached yet are worth as much as those it offers now, so they are not evicted for
+    them (before, once the older blocks had each refused one, the unread ones were next and
+    went: their reader fetched them a second time)."""
+    fill(cache, [0, 1, 2, 3])
+    for blockno in (0, 1):
+        cache.sketch.record(key(blockno))  # read; 2 and 3 were read ahead and wait for their reader
+    offered = [8, 9, 10, 11]  # one batch: each is weighed against the next oldest
+    ahead = {key(blockno) for blockno in (2, 3, *offered)}
+    assert cache.insert_many([(key(blockno), data(blockno), False) for blockno in offered], ahead=ahead) == 0
+    assert cached(cache) == {0, 1, 2, 3}
+
+
 def test_a_popular_old_block_does_not_freeze_the_cache(cache: BlockCache) -> None:
     """A block refused by the oldest one is not offered the same victim again: the next
     block is weighed against the next oldest, so new blocks still get in."""

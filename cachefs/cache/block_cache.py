@@ -175,11 +175,14 @@ class BlockCache:
         their index entries together. Returns how many were cached; a block
         that cannot be written (e.g. ENOSPC) is skipped and logged once. The
         flag of each block forces its admission (operator warm-ups). Blocks
-        in `ahead` were fetched ahead of their first read (read-ahead): the
-        admission policy counts that read, which the frequency sketch only
-        records when it happens, so they are weighed as their reader's fetch
-        would be (else on a full cache every block read ahead lost its place
-        and was fetched a second time by its reader)."""
+        in `ahead`, offered or cached, were fetched ahead of their first read
+        (read-ahead) and not read yet: the admission policy counts that read,
+        which the frequency sketch only records when it happens
+        (FrequencySketch.expected), so a block offered is weighed as its
+        reader's fetch would be, and a cached one waiting for its reader is
+        not evicted for a block further ahead (else on a full cache blocks
+        read ahead lost their place and were fetched a second time by their
+        reader)."""
         with self._lock:
             try:
                 admitted = self._admit(blocks, ahead)
@@ -224,7 +227,7 @@ class BlockCache:
                     if victim is None:
                         break
                     victim_key, victim_length = victim
-                    if not forced and not victims.displaces(key, victim_key, key in ahead):
+                    if not forced and not victims.displaces(key, victim_key, ahead):
                         victims.refused()
                         break
                     victims.take()
@@ -473,8 +476,8 @@ class _OldestVictims:
             self._current = next(self._oldest, None)
         return self._current
 
-    def displaces(self, key: BlockKey, victim: BlockKey, ahead: bool = False) -> bool:
-        return self._sketch.estimate(key) + ahead > self._sketch.estimate(victim)
+    def displaces(self, key: BlockKey, victim: BlockKey, ahead: Container[BlockKey] = ()) -> bool:
+        return self._sketch.expected(key, ahead) > self._sketch.expected(victim, ahead)
 
     def take(self) -> None:
         self._current = None

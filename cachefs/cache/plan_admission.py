@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import sys
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 from .keys import BlockKey
@@ -67,9 +67,9 @@ class Victims(Protocol):
         """(key, length) of the best victim, without taking it; None if there is none."""
         ...
 
-    def displaces(self, key: BlockKey, victim: BlockKey, ahead: bool = False) -> bool:
-        """Whether `key` deserves the victim's place (`ahead`: fetched before its first read,
-        which counts as read once more: the read is on its way)."""
+    def displaces(self, key: BlockKey, victim: BlockKey, ahead: Container[BlockKey] = ()) -> bool:
+        """Whether `key` deserves the victim's place (blocks in `ahead`, offered or cached, were
+        fetched before their first read: it counts as read once more, the read is on its way)."""
         ...
 
     def take(self) -> None:
@@ -109,7 +109,7 @@ class PlanVictims:
         _negative_distance, _frequency, _seq, key, length, _hint = self._heap[0]
         return key, length
 
-    def displaces(self, key: BlockKey, victim: BlockKey, ahead: bool = False) -> bool:
+    def displaces(self, key: BlockKey, victim: BlockKey, ahead: Container[BlockKey] = ()) -> bool:
         """Belady: needed sooner than the victim; if neither is planned again, TinyLFU."""
         if self._offered is None or self._offered[0] != key:
             self._offered = (key, self._advisor.distance(key))
@@ -117,7 +117,7 @@ class PlanVictims:
         if distance < victim_distance:
             return True
         if distance == victim_distance == INFINITE:
-            return self._cache.sketch.estimate(key) + ahead > self._cache.sketch.estimate(victim)
+            return self._cache.sketch.expected(key, ahead) > self._cache.sketch.expected(victim, ahead)
         return False  # the victim is needed again, the block offered is not needed sooner
 
     def take(self) -> None:

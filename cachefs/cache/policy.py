@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+from collections.abc import Container
 from pathlib import Path
 
 import xxhash
@@ -65,6 +66,11 @@ class FrequencySketch:
     def estimate(self, key: BlockKey) -> int:
         counters = self.counters
         return min(counters[slot] for slot in self._slots(key))
+
+    def expected(self, key: BlockKey, ahead: Container[BlockKey]) -> int:
+        """The block's count, plus one if it is in `ahead` (fetched ahead of its first read,
+        not read yet): that read is on its way, and the sketch counts it only when it happens."""
+        return self.estimate(key) + (key in ahead)
 
     def _age(self) -> None:
         self.counters = bytearray(self.counters.translate(_HALVED))
