@@ -210,18 +210,19 @@ def _training_rows(stats: dict[str, Any], training: dict[str, Any]) -> list[tupl
         stall += f", {1000 * stats['stall_seconds'] / stalled:.1f} ms per stalled block"
     warm = training["time_to_warm_s"]
     plans = training["plans"]
-    epochs = ", ".join(sorted({str(plan["epoch"]) for plan in plans}))
+    epochs = ", ".join(sorted({str(plan["epoch"]) for plan in plans if plan["epoch"] is not None}))
     rows = [
         ("reader stalls", stall),
         ("time to warm", f"{warm:.1f} s" if warm is not None else "not warm (hit ratio not steadily >= 95 %)"),
-        ("plans", f"{len(plans)} active" + (f" (epoch {epochs})" if plans else "")),
+        ("plans", f"{len(plans)} active" + (f" (epoch {epochs})" if epochs else "")),
         ("plan prefetch", f"{stats.get('plan_prefetch_blocks', 0)} blocks, "
                           f"{stats.get('plan_prefetch_used_blocks', 0)} used, "
                           f"{stats.get('plan_prefetch_wasted_blocks', 0)} wasted; "
                           f"lookahead {training['lookahead_blocks']} blocks"),
     ]
     for plan in plans:
-        rows.append((f"  plan {plan['plan']}", f"epoch {plan['epoch']}: {plan['position']} of {plan['blocks']} "
+        state = f"epoch {plan['epoch']}" if plan["epoch"] is not None else "being received"
+        rows.append((f"  plan {plan['plan']}", f"{state}: {plan['position']} of {plan['blocks']} "
                                                f"block uses, {plan['prefetched_blocks']} prefetched"))
     return rows
 

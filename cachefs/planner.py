@@ -283,9 +283,9 @@ class Plan:
     the window arrays hold [base, horizon).
     """
 
-    def __init__(self, plan_id: int, epoch: int, store: EntryStore, block_size: int) -> None:
+    def __init__(self, plan_id: int, store: EntryStore, block_size: int) -> None:
         self.id = plan_id
-        self.epoch = epoch
+        self.epoch: int | None = None  # set once the plan is accepted: a rejected plan starts no epoch
         self.store = store
         self.block_size = block_size
         self.created_s = self.progress_s = time.monotonic()  # progress: the last use matched
@@ -868,8 +868,7 @@ class Planner:
             raise CachefsError("epoch must be a non-negative integer")
         plan_id = self._next_id
         self._next_id += 1
-        plan = Plan(plan_id, self.training.start_epoch(epoch), EntryStore(self._plans_dir / f"{plan_id}.entries"),
-                    self._block_size)
+        plan = Plan(plan_id, EntryStore(self._plans_dir / f"{plan_id}.entries"), self._block_size)
         plan.min_trail = plan.trail = self._learned_trail
         self._plans[plan.id] = plan
         try:
@@ -877,6 +876,7 @@ class Planner:
                 log.info("plan %d: the client went away before sending all of it", plan.id)
                 return plan.summary()
             plan.mark_complete()
+            plan.epoch = self.training.start_epoch(epoch)
             plan.advance_tail()
             log.info("plan %d (epoch %d): %d reads of %d files, %d block uses",
                      plan.id, plan.epoch, plan.reads, len(plan.files), plan.store.length)

@@ -132,8 +132,11 @@ def test_plans_for_missing_files_are_rejected(spoke: SpokeMount, tmp_path: Path)
         cachefs_plan.submit([(mountpoint / "shards/shard-002.bin", 10 * TEST_BLOCK_SIZE, 100)])
     with pytest.raises(cachefs_plan.PlanError, match="not inside a cachefs mount"):
         cachefs_plan.submit([(tmp_path / "elsewhere.bin", 0, 100)])
+    with cachefs_plan.submit([(mountpoint / "shards/shard-000.bin", 0, 100)]) as plan:
+        assert plan.epoch == 2  # the rejected plans started no epoch (before: 5)
     stats = wait_for_stats(spoke, lambda s: s["training"]["plans_active"] == 0)
     assert stats["plan_prefetch_blocks"] <= 1
+    assert [record["epoch"] for record in stats["training"]["epochs"]] == [1, 2]
     assert (mountpoint / "with space.txt").read_text() == "a name with a space\n"
 
 
@@ -289,7 +292,7 @@ def test_a_plan_of_many_files_keeps_a_compact_file_table(tmp_path: Path) -> None
                     file_id=random.Random(n).randbytes(8), version=n.to_bytes(8, "big")) for n in range(count)]
     tracemalloc.start()
     try:
-        plan = planner.Plan(1, 1, planner.EntryStore(tmp_path / "1.entries"), block_size=1 << 20)
+        plan = planner.Plan(1, planner.EntryStore(tmp_path / "1.entries"), block_size=1 << 20)
         before = tracemalloc.get_traced_memory()[0]
         for inode in inodes:
             plan.add_file(inode)
@@ -377,7 +380,7 @@ def test_a_read_just_before_a_plan_began_still_counts_as_its_first_use(hub, data
 
 def _plan_of(tmp_path: Path, blocks: list[int]) -> planner.Plan:
     """A complete plan reading `blocks` (one use each, in this order) of one file, one byte per block."""
-    plan = planner.Plan(1, 1, planner.EntryStore(tmp_path / "1.entries"), block_size=1)
+    plan = planner.Plan(1, planner.EntryStore(tmp_path / "1.entries"), block_size=1)
     plan.add_file(Inode(ino=2, kind=KIND_FILE, mode=0o444, mtime_ns=0, size=1 << 20, parent=1,
                         file_id=b"f" * 8, version=b"v" * 8))
     for block in blocks:
