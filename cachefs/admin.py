@@ -110,12 +110,15 @@ class Admin:
         return result
 
     def _usage_by_top_level(self) -> dict[str, int]:
-        names = self._namespace.top_level_names()
+        """Bytes cached per top-level directory: one lookup per cached file, not a walk of the snapshot."""
+        directories: dict[int, str] = {}
         usage: dict[str, int] = collections.Counter()
-        for key in self._cache.index.iter_keys():
-            entry = self._cache.index.get(key)
-            if entry is not None:
-                usage[names.get(key.file_id, "(not in this snapshot)")] += entry.length
+        file_id, name = b"", ""
+        for key, length in self._cache.index.iter_lengths():
+            if key.file_id != file_id:  # the blocks of a file come together
+                file_id = key.file_id
+                name = self._namespace.top_level_name(file_id, directories) or "(not in this snapshot)"
+            usage[name] += length
         return dict(usage)
 
     async def warm(self, request: dict[str, Any], progress: Progress) -> dict[str, Any]:

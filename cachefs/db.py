@@ -10,6 +10,8 @@ Named databases:
   pins      file id -> file size, files kept out of eviction (cache/block_cache.py)
   verified  file id + version -> boot id: every block of that file version was
             read back and matched its checksums during that boot (cache/index.py)
+  loading   inode -> nothing: the entries of the manifest being loaded, emptied
+            before its transaction commits (namespace.py)
 
 Transactions are synchronous and short; none is held across an await.
 """
@@ -39,6 +41,7 @@ class Database:
     fifo: lmdb._Database
     pins: lmdb._Database
     verified: lmdb._Database
+    loading: lmdb._Database
 
     def close(self) -> None:
         self.env.sync(True)
@@ -69,6 +72,7 @@ def open_database(path: Path) -> Database:
         fifo=env.open_db(b"fifo"),
         pins=env.open_db(b"pins"),
         verified=env.open_db(b"verified"),
+        loading=env.open_db(b"loading"),
     )
 
 

@@ -130,9 +130,14 @@ class Namespace:
 
     def file_version(self, file_id: bytes) -> bytes | None:
         """The version of the file with this hub id in the loaded snapshot (None if absent)."""
+        inode = self._file(file_id)
+        return inode.version if inode is not None else None
+
+    def _file(self, file_id: bytes) -> Inode | None:
+        """The file with this hub id in the loaded snapshot (its inode number is its id)."""
         number = int.from_bytes(file_id, "big")
         inode = self.get(number if number > ROOT_INODE else number + 2)
-        return inode.version if inode is not None and inode.is_file and inode.file_id == file_id else None
+        return inode if inode is not None and inode.is_file and inode.file_id == file_id else None
 
     def resolve(self, path: str) -> Inode | None:
         """The entry at a '/'-separated path relative to the root (no symlinks followed)."""
@@ -154,14 +159,36 @@ class Namespace:
                 children = [child for _pos, _name, child in self.readdir(entry.ino, 0)]
                 stack.extend(reversed(children))
 
-    def top_level_names(self) -> dict[bytes, str]:
-        """file id -> name of the top-level entry it lives under ('.' for files in the root)."""
-        names: dict[bytes, str] = {}
-        for _pos, name, child in self.readdir(ROOT_INODE, 0):
-            label = os.fsdecode(name) if child.is_dir else "."
-            for entry in self.walk_files(child):
-                names[entry.file_id] = label
-        return names
+    def top_level_name(self, file_id: bytes, directories: dict[int, str]) -> str | None:
+        """The name of the top-level directory the file with this hub id lives under ('.' for
+        a file in the root); None if the snapshot has no such file. `directories` (directory
+        inode -> answer) remembers the directories walked through, for the next calls."""
+        inode = self._file(file_id)
+        if inode is None:
+            return None
+        if inode.parent == ROOT_INODE:
+            return "."
+        below: list[int] = []  # directories walked through, under the one answered
+        node = inode.parent
+        while node not in directories:
+            directory = self.get(node)
+            if directory is None:
+                return None
+            if directory.parent == ROOT_INODE:
+                directories[node] = self._name_in_root(directory)
+                break
+            below.append(node)
+            node = directory.parent
+        for ino in below:
+            directories[ino] = directories[node]
+        return directories[node]
+
+    def _name_in_root(self, directory: Inode) -> str:
+        """The name of a top-level directory (its entry in the root, at its position)."""
+        for _next, name, child in itertools.islice(self.readdir(ROOT_INODE, directory.position), 1):
+            if child.ino == directory.ino:
+                return os.fsdecode(name)
+        return "?"
 
     def files_after(self, inode: Inode, count: int) -> list[Inode]:
         """Up to `count` files that follow `inode` in a depth-first walk of the tree.
@@ -236,6 +263,9 @@ def load_manifest(db: Database, manifest_gz: Path) -> tuple[ManifestSummary, Nam
     """Replace the namespace with the manifest in `manifest_gz` (one transaction).
 
     Returns the summary and what changed against the namespace it replaces.
+    The old namespace is compared in LMDB, not copied into memory: the
+    daemon's memory does not grow with the number of entries (only with the
+    changes listed, and the number of directories).
     """
     with gzip.open(manifest_gz, "rb") as stream:
         lines = (parse_json(line) for line in stream if line.strip())
@@ -245,10 +275,11 @@ def load_manifest(db: Database, manifest_gz: Path) -> tuple[ManifestSummary, Nam
             raise HubProtocolError("the hub's manifest is empty") from None
         _check_header(header)
         with db.env.begin(write=True) as txn:
-            old_names = _old_names(txn, db)
-            for table in (db.names, db.dirents):
+            for table in (db.dirents, db.loading):
                 txn.drop(table, delete=False)
-            entries, file_bytes, changes = _write_entries(txn, db, lines, old_names)
+            entries, file_bytes, changes = _write_entries(txn, db, lines)
+            _drop_old_names(txn, db, changes)
+            txn.drop(db.loading, delete=False)
             txn.put(b"generation", str(header["generation"]).encode(), db=db.meta)
             txn.put(b"entries", str(entries).encode(), db=db.meta)
             txn.put(b"file_bytes", str(file_bytes).encode(), db=db.meta)
@@ -256,12 +287,19 @@ def load_manifest(db: Database, manifest_gz: Path) -> tuple[ManifestSummary, Nam
     return ManifestSummary(str(header["generation"]), entries, file_bytes), changes
 
 
-def _old_names(txn: lmdb.Transaction, db: Database) -> dict[int, tuple[int, bytes]]:
-    """inode -> (parent, name) of the namespace being replaced."""
-    names = {}
-    for key, value in txn.cursor(db=db.names):
-        names[_INO.unpack(value)[0]] = (_INO.unpack(key[:8])[0], bytes(key[8:]))
-    return names
+def _drop_old_names(txn: lmdb.Transaction, db: Database, changes: NamespaceChanges) -> None:
+    """Remove the names (and inodes) of the old namespace that the manifest loaded has not
+    (its entries are in `db.loading`; a name it has was overwritten with the same inode)."""
+    cursor = txn.cursor(db=db.names)
+    cursor.first()
+    while key := cursor.key():  # empty once past the last name
+        packed_ino = cursor.value()
+        if txn.get(packed_ino, db=db.loading) is not None:
+            cursor.next()
+            continue
+        changes.removed.append((_INO.unpack(key[:8])[0], bytes(key[8:]), _INO.unpack(packed_ino)[0]))
+        txn.delete(packed_ino, db=db.inodes)
+        cursor.delete()  # and on to the next name
 
 
 def _check_header(header: dict[str, Any]) -> None:
@@ -271,12 +309,13 @@ def _check_header(header: dict[str, Any]) -> None:
         raise HubProtocolError("manifest header has no generation")
 
 
-def _write_entries(
-    txn: lmdb.Transaction, db: Database, lines: Iterator[dict[str, Any]], old_names: dict[int, tuple[int, bytes]]
-) -> tuple[int, int, NamespaceChanges]:
-    """Write every entry; parents always come before children in a manifest."""
-    next_position: dict[int, int] = {}
-    seen: set[int] = set()
+def _write_entries(txn: lmdb.Transaction, db: Database, lines: Iterator[dict[str, Any]]) -> tuple[int, int, NamespaceChanges]:
+    """Write every entry (and note it in `db.loading`); parents always come before children in a manifest.
+
+    Into an empty namespace (the first load) nothing is listed as added: the
+    kernel knows no name yet, and a large dataset's list would be large."""
+    next_position: dict[int, int] = {}  # per directory
+    first_load = txn.stat(db.inodes)["entries"] == 0
     changes = NamespaceChanges()
     entries = file_bytes = 0
     for entry in lines:
@@ -286,9 +325,11 @@ def _write_entries(
             raise HubProtocolError(f"malformed manifest entry {str(entry)[:120]}: {exc!r}") from None
         if entries == 0 and (path != "" or not inode.is_dir):
             raise HubProtocolError("manifest does not start with the root directory")
-        if inode.ino in seen or (inode.parent not in seen and path != ""):
+        packed_ino = _INO.pack(inode.ino)
+        if not txn.put(packed_ino, b"", overwrite=False, db=db.loading) or (
+            path != "" and txn.get(_INO.pack(inode.parent), db=db.loading) is None
+        ):
             raise HubProtocolError(f"manifest entry {path!r} is duplicated or comes before its directory")
-        seen.add(inode.ino)
         name = b""
         if path != "":
             name = os.fsencode(path.rpartition("/")[2])
@@ -296,23 +337,19 @@ def _write_entries(
             next_position[inode.parent] = position + 1
             inode = dataclasses.replace(inode, position=position)
             key = _INO.pack(inode.parent)
-            txn.put(key + name, _INO.pack(inode.ino), db=db.names)
-            txn.put(key + _POS.pack(position), _INO.pack(inode.ino) + name, db=db.dirents)
+            txn.put(key + name, packed_ino, db=db.names)
+            txn.put(key + _POS.pack(position), packed_ino + name, db=db.dirents)
         packed = _pack_inode(inode)
-        old = txn.get(_INO.pack(inode.ino), db=db.inodes)
+        old = txn.get(packed_ino, db=db.inodes)
         if old is not None and _without_position(old) != _without_position(packed):
             changes.changed.append(inode.ino)
-        if path != "" and (old is None or _ATTRS.unpack_from(old)[0] != inode.kind):
+        if path != "" and not first_load and (old is None or _ATTRS.unpack_from(old)[0] != inode.kind):
             changes.added.append((inode.parent, name))
-        txn.put(_INO.pack(inode.ino), packed, db=db.inodes)
+        txn.put(packed_ino, packed, db=db.inodes)
         file_bytes += inode.size if inode.is_file else 0
         entries += 1
     if entries == 0:
         raise HubProtocolError("manifest has no root entry")
-    for ino, (parent, name) in old_names.items():
-        if ino not in seen:
-            txn.delete(_INO.pack(ino), db=db.inodes)
-            changes.removed.append((parent, name, ino))
     return entries, file_bytes, changes
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import shutil
@@ -127,6 +128,17 @@ def test_blocks_read_ahead_that_the_full_cache_refuses_are_fetched_once(tmp_path
     assert stats["readahead_used"] > 64 and stats["rejected_blocks"] > 0
     assert fetched[0] <= len(source) + 4 * TEST_BLOCK_SIZE, fetched  # each block once (before: 1.5x)
     assert fetched[1] <= len(source) - cache_bytes // 2, fetched  # and the cached half hits (before: none)
+
+
+def test_stats_show_the_bytes_cached_under_each_top_level_directory(hub, dataset: Path, tmp_path: Path) -> None:
+    read = ["shards/shard-000.bin", "small/dir 1/file-03.dat", "a/b/c/d/leaf.txt", "with space.txt"]
+    with mounted_spoke(hub.url, tmp_path, PLAIN_ARGS) as spoke:
+        read_all(spoke, dataset, read)
+        shown = run_cachefs("stats", "--json", spoke.mountpoint)
+        assert shown.returncode == 0, shown.stderr
+        usage = json.loads(shown.stdout)["usage_by_top_level_bytes"]
+    size = {relative: (dataset / relative).stat().st_size for relative in read}
+    assert usage == {"shards": size[read[0]], "small": size[read[1]], "a": size[read[2]], ".": size[read[3]]}
 
 
 def test_warm_then_hub_down_serves_every_warmed_byte(dataset: Path, tmp_path: Path) -> None:

@@ -131,6 +131,12 @@ class BlockIndex:
                         return
                     yield packed, value
 
+    def iter_lengths(self) -> Iterator[tuple[BlockKey, int]]:
+        """Every block cached and its length, in key order (a file's blocks together)."""
+        with self._db.env.begin(db=self._db.blocks) as txn:
+            for packed, value in txn.cursor():
+                yield BlockKey.unpack(packed), _ENTRY_HEAD.unpack_from(value)[0]
+
     def iter_keys(self) -> Iterator[BlockKey]:
         with self._db.env.begin(db=self._db.blocks) as txn:
             for packed in txn.cursor().iternext(keys=True, values=False):
