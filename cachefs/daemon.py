@@ -177,10 +177,12 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
             admin.add_section("training", planner.snapshot)
 
             async def refresh() -> dict[str, Any]:
-                result = await snapshots.refresh(cache, _invalidate_kernel_caches)
-                if result.get("changed"):
-                    planner.cancel_all("the mount moved to a new snapshot")
-                return result
+                # Plans resolved against the old snapshot end the moment the new one is
+                # loaded, not after the kernel's caches were told (a plan sent meanwhile
+                # was resolved against the new one).
+                return await snapshots.refresh(
+                    cache, _invalidate_kernel_caches, lambda: planner.cancel_all("the mount moved to a new snapshot")
+                )
 
             admin.on_refresh(refresh)
             passthrough = Passthrough(cache, stats, enabled=config.passthrough)

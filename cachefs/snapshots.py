@@ -63,14 +63,20 @@ class Snapshots:
             put_meta(self._db, "hub_url", str(self._config.hub_url))
         self._manifest_path.unlink(missing_ok=True)
 
-    async def refresh(self, cache: BlockCache, invalidate: Invalidate) -> dict[str, Any]:
-        """Move to the hub's current generation; a no-op if it is the one shown."""
+    async def refresh(self, cache: BlockCache, invalidate: Invalidate, moved: Callable[[], None]) -> dict[str, Any]:
+        """Move to the hub's current generation; a no-op if it is the one shown.
+
+        `moved` is called as soon as the new generation is loaded, before any
+        other task runs: what was resolved against the old one ends there
+        (plans), and what starts after it sees only the new one.
+        """
         async with self._lock:
             old = self._namespace.summary()
             generation = await self._download(old.generation if old else None)
             if generation is None:
                 return {"generation": old.generation if old else None, "changed": False}
             summary, changes = await self._load()
+            moved()
             self._manifest_path.unlink(missing_ok=True)
             await invalidate(changes)
             dropped = await trio.to_thread.run_sync(cache.drop_stale, self._namespace.file_version)
