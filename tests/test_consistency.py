@@ -121,6 +121,31 @@ def test_removed_and_added_files_after_refresh(dataset: Path, tmp_path: Path) ->
             assert "new.txt" in os.listdir(spoke.mountpoint)
 
 
+def test_a_large_namespace_is_loaded_and_refreshed_in_a_child_process(tmp_path: Path) -> None:
+    """A manifest over LOAD_IN_CHILD_MIN_BYTES is loaded by a child process (the memory LMDB
+    keeps after a large write leaves with it): the mount shows it, and a refresh moves on."""
+    source = tmp_path / "source"
+    for directory in range(50):
+        (source / f"d{directory:02d}").mkdir(parents=True)
+        for index in range(1000):
+            (source / f"d{directory:02d}" / f"sample-{index:05d}.jpg").touch()
+    (source / "d00" / "sample-00000.jpg").write_bytes(b"first version")
+    with running_hub(source) as hub, mounted_spoke(hub.url, tmp_path, ARGS) as spoke:
+        assert (spoke.mountpoint / "d00" / "sample-00000.jpg").read_bytes() == b"first version"
+        assert len(os.listdir(spoke.mountpoint / "d49")) == 1000
+        shutil.rmtree(source / "d49")
+        (source / "d00" / "sample-00000.jpg").write_bytes(b"second version")
+        with urllib.request.urlopen(urllib.request.Request(hub.url + "/v1/rescan", method="POST"), timeout=60) as response:
+            assert json.load(response)["rescanned"] is True
+        result = run_cachefs("refresh", spoke.mountpoint)
+        assert result.returncode == 0, result.stderr
+        assert "1001 removed" in result.stdout, result.stdout
+        assert not (spoke.mountpoint / "d49").exists()
+        assert (spoke.mountpoint / "d00" / "sample-00000.jpg").read_bytes() == b"second version"
+        loads = [line for line in spoke.log_text().splitlines() if "cachefs.namespace_loader INFO loaded manifest" in line]
+    assert len(loads) == 2, loads  # the mount's and the refresh's
+
+
 def test_a_handle_opened_before_a_refresh_never_feeds_its_bytes_to_newer_opens(dataset: Path, tmp_path: Path) -> None:
     """Both versions of a changed file share one kernel inode (and page cache): what a handle
     opened before the refresh reads after it must not be what an open of the new version is

@@ -10,11 +10,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import trio
 import xxhash
 
 from cachefs.db import Database, open_database
-from cachefs.errors import HubProtocolError
-from cachefs.namespace import ROOT_INODE, Namespace, NamespaceChanges, inode_number, load_manifest
+from cachefs.errors import CachefsError, HubProtocolError
+from cachefs.namespace import ROOT_INODE, ManifestSummary, Namespace, NamespaceChanges, inode_number, load_manifest
+from cachefs.namespace_loader import load_in_child
 
 HEADER = {"format": "cachefs-manifest", "format_version": 1}
 
@@ -141,3 +143,25 @@ def test_loading_and_refreshing_do_not_copy_the_namespace_into_memory(db: Databa
     assert len(changes.removed) == per_directory + 1 and not changes.changed and not changes.added
     assert peak / entries < 40, f"refresh: {peak / entries:.0f} bytes per entry"  # the removed list: ~180 bytes each of 1,001
     assert Namespace(db).resolve(f"d{directories - 1:04d}") is None
+
+
+def test_a_child_process_loads_the_manifest_beside_an_open_environment(db: Database, tmp_path: Path) -> None:
+    """The daemon loads manifests in a child process (the memory LMDB keeps after a large write
+    leaves with it); its open environment sees the commit, names that are not UTF-8 included."""
+    index_dir = Path(db.env.path())
+    old = [dir_entry(""), file_entry("keep.bin", 1), file_entry("gone.bin", 1)]
+    summary, changes = trio.run(load_in_child, index_dir, write_manifest(tmp_path / "1.gz", "g1", old))
+    assert (summary.generation, summary.entries, changes) == ("g1", 3, NamespaceChanges())
+    odd = os.fsdecode(b"caf\xe9-\xff.bin")  # not UTF-8
+    new = [dir_entry(""), file_entry("keep.bin", 2), file_entry(odd, 1)]
+    summary, changes = trio.run(load_in_child, index_dir, write_manifest(tmp_path / "2.gz", "g2", new))
+    assert summary == ManifestSummary("g2", 3, 3)
+    removed = [(ROOT_INODE, b"gone.bin", inode_number("gone.bin"))]
+    added = [(ROOT_INODE, b"caf\xe9-\xff.bin")]
+    assert changes == NamespaceChanges(changed=[inode_number("keep.bin")], removed=removed, added=added)
+    assert names(Namespace(db), "") == ["keep.bin", odd]  # this process's environment sees it
+    with pytest.raises(HubProtocolError, match="does not start with the root directory"):
+        trio.run(load_in_child, index_dir, write_manifest(tmp_path / "3.gz", "g3", [file_entry("x", 1)]))
+    with pytest.raises(CachefsError, match="cannot load the hub's manifest"):
+        trio.run(load_in_child, index_dir, tmp_path / "missing.gz")
+    assert Namespace(db).summary() == ManifestSummary("g2", 3, 3)
