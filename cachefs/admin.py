@@ -85,10 +85,15 @@ class Admin:
     # -- commands -------------------------------------------------------------------
 
     async def stats(self, request: dict[str, Any], progress: Progress) -> dict[str, Any]:
-        return self.snapshot(detailed=bool(request.get("detailed")))
+        """The snapshot; `detailed`: with the usage per top-level directory, counted in a worker
+        thread (it goes through the whole block index: on a large cache, seconds)."""
+        result = self.snapshot()
+        if request.get("detailed"):
+            result["usage_by_top_level_bytes"] = await trio.to_thread.run_sync(self._usage_by_top_level)
+        return result
 
-    def snapshot(self, detailed: bool = False) -> dict[str, Any]:
-        """Counters and cache state (per top-level directory usage when detailed)."""
+    def snapshot(self) -> dict[str, Any]:
+        """Counters and cache state."""
         summary = self._namespace.summary()
         result: dict[str, Any] = {
             "hub_url": str(self._config.hub_url),
@@ -105,8 +110,6 @@ class Admin:
         }
         for name, section in self._sections.items():
             result[name] = section()
-        if detailed:
-            result["usage_by_top_level_bytes"] = self._usage_by_top_level()
         return result
 
     def _usage_by_top_level(self) -> dict[str, int]:
