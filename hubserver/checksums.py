@@ -55,6 +55,22 @@ MAX_HEADER_SUMS: Final = 64  # ~1.1 KB of header; larger ranges get no header
 
 
 _Key = tuple[str, str, int, int]  # file id, version, block size, block
+# How often a request waiting for another's computation looks whether its client is still there.
+_WAIT_CHECK_S: Final = 0.25
+
+
+class RequestAbandoned(Exception):
+    """The client went away: its checksums are not hashed further."""
+
+
+def _always_wanted() -> bool:
+    return True
+
+
+def still_connected(request: web.Request) -> Callable[[], bool]:
+    """Whether the request's client is still connected (asked from the hashing threads)."""
+    transport = request.transport
+    return lambda: transport is not None and not transport.is_closing()
 
 
 class ChecksumCache:
@@ -74,10 +90,17 @@ class ChecksumCache:
         self._hashers = concurrent.futures.ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="checksums")
 
     async def sums(
-        self, snapshot: Snapshot, record: FileRecord, block_bytes: int, first: int, count: int, fd: int | None = None
+        self,
+        snapshot: Snapshot,
+        record: FileRecord,
+        block_bytes: int,
+        first: int,
+        count: int,
+        fd: int | None = None,
+        wanted: Callable[[], bool] = _always_wanted,
     ) -> bytes:
         """`block_sums` in the hashing threads."""
-        call = functools.partial(self.block_sums, snapshot, record, block_bytes, first, count, fd)
+        call = functools.partial(self.block_sums, snapshot, record, block_bytes, first, count, fd, wanted)
         return await asyncio.get_running_loop().run_in_executor(self._hashers, call)
 
     def close(self) -> None:
@@ -85,11 +108,21 @@ class ChecksumCache:
         self._hashers.shutdown(wait=False, cancel_futures=True)
 
     def block_sums(
-        self, snapshot: Snapshot, record: FileRecord, block_bytes: int, first: int, count: int, fd: int | None = None
+        self,
+        snapshot: Snapshot,
+        record: FileRecord,
+        block_bytes: int,
+        first: int,
+        count: int,
+        fd: int | None = None,
+        wanted: Callable[[], bool] = _always_wanted,
     ) -> bytes:
         """8-byte big-endian checksums of the blocks, computing the missing ones. Blocking.
 
         `fd`: a descriptor of the file from open_unchanged (already checked), else one is opened.
+        `wanted` is asked between blocks: once it says no (the client went away),
+        RequestAbandoned is raised; the sums computed so far are kept, and a request
+        waiting for them computes the rest.
         """
         last = min(first + count, -(-record.size_bytes // block_bytes))
         keys = [(record.file_id, record.version, block_bytes, block) for block in range(first, last)]
@@ -101,7 +134,7 @@ class ChecksumCache:
             self._computing.update((key, done) for key in mine)
         try:
             if mine:  # first its own share, then wait for the others' (no waiting in a cycle)
-                known.update(self._compute(snapshot, record, block_bytes, mine, fd))
+                self._compute(snapshot, record, block_bytes, mine, fd, known, wanted)
         finally:
             with self._lock:
                 self._remember(known)
@@ -109,18 +142,22 @@ class ChecksumCache:
                     del self._computing[key]
             done.set()
         for event in others:
-            event.wait()
+            while not event.wait(_WAIT_CHECK_S):
+                if not wanted():
+                    raise RequestAbandoned(f"the client of the sums of {record.path!r} went away")
         with self._lock:  # what the others computed (their turn in the LRU is now too)
             later = {key: self._sums[key] for key in keys if key not in known and key in self._sums}
-        left = [key for key in keys if key not in known and key not in later]  # another computation failed
-        if left:
-            later.update(self._compute(snapshot, record, block_bytes, left, fd))
-        elif not mine and fd is None and not check_unchanged(snapshot, record):
+        left = [key for key in keys if key not in known and key not in later]  # another computation failed or stopped
+        if not left and not mine and fd is None and not check_unchanged(snapshot, record):
             raise FileChangedError(f"{record.path!r} changed since the scan")  # remembered sums are for the scanned file
-        if later:
-            with self._lock:
-                self._remember(later)
-            known.update(later)
+        try:
+            if left:
+                self._compute(snapshot, record, block_bytes, left, fd, later, wanted)
+        finally:
+            if later:
+                with self._lock:
+                    self._remember(later)
+        known.update(later)
         return b"".join(known[key].to_bytes(8, "big") for key in keys)
 
     def _remember(self, sums: dict[_Key, int]) -> None:
@@ -132,16 +169,24 @@ class ChecksumCache:
             self._sums.popitem(last=False)
 
     def _compute(
-        self, snapshot: Snapshot, record: FileRecord, block_bytes: int, keys: list[_Key], fd: int | None
-    ) -> dict[_Key, int]:
+        self,
+        snapshot: Snapshot,
+        record: FileRecord,
+        block_bytes: int,
+        keys: list[_Key],
+        fd: int | None,
+        into: dict[_Key, int],
+        wanted: Callable[[], bool],
+    ) -> None:
+        """Hash the blocks of `keys` into `into`, one by one, while `wanted`."""
         source = open_unchanged(snapshot, record) if fd is None else fd
-        sums = {}
         try:
             for key in keys:
+                if not wanted():
+                    raise RequestAbandoned(f"the client of the sums of {record.path!r} went away")
                 data = os.pread(source, block_bytes, key[3] * block_bytes)
                 self._on_hashed(len(data))
-                sums[key] = xxhash.xxh3_64_intdigest(data)
-            return sums
+                into[key] = xxhash.xxh3_64_intdigest(data)
         finally:
             if fd is None:
                 os.close(source)
@@ -177,12 +222,16 @@ async def file_data(request: web.Request) -> web.StreamResponse:
     if record.size_bytes == 0 or stop - first > MAX_HEADER_SUMS:
         return response
     snapshot = request.app[SNAPSHOT_KEY].current
+    checksums = request.app[CHECKSUMS_KEY]
     try:
-        sums = await request.app[CHECKSUMS_KEY].sums(snapshot, record, block_bytes, first, stop - first, response.fd)
+        sums = await checksums.sums(snapshot, record, block_bytes, first, stop - first, response.fd, still_connected(request))
     except FileChangedError as exc:
         response.close_fd()
         LOG.warning("file %s: %s; answering 412", record.file_id, exc)
         return json_error(412, f"file {record.file_id} changed on disk since the snapshot")
+    except RequestAbandoned as exc:
+        response.close_fd()
+        return _abandoned(exc)
     listed = ",".join(sums[i : i + 8].hex() for i in range(0, len(sums), 8))
     response.headers[SUMS_HEADER] = f"bs={block_bytes}; first={first}; {listed}"
     return response
@@ -210,10 +259,12 @@ async def file_checksums(request: web.Request) -> web.Response:
     if first * block_bytes >= max(1, record.size_bytes):
         raise HubHTTPError(416, f"file {file_id} has no block {first} of {block_bytes} bytes")
     try:
-        body = await request.app[CHECKSUMS_KEY].sums(snapshot, record, block_bytes, first, count)
+        body = await request.app[CHECKSUMS_KEY].sums(snapshot, record, block_bytes, first, count, None, still_connected(request))
     except FileChangedError as exc:
         LOG.warning("file %s: %s; answering 412", file_id, exc)
         return json_error(412, f"file {file_id} changed on disk since the snapshot")
+    except RequestAbandoned as exc:
+        return _abandoned(exc)
     return web.Response(
         body=body,
         content_type="application/octet-stream",
@@ -222,3 +273,10 @@ async def file_checksums(request: web.Request) -> web.Response:
             "ETag": f'"{file_id}-{version}-{block_bytes}-{first}-{count}"',
         },
     )
+
+
+def _abandoned(exc: RequestAbandoned) -> web.Response:
+    """The answer to a request whose client went away while its sums were hashed (never
+    delivered; 499, "client closed request", in the access log and metrics)."""
+    LOG.debug("%s: stopped hashing", exc)
+    return json_error(499, str(exc))

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -148,6 +150,33 @@ def test_concurrent_requests_for_the_same_sums_share_one_computation(tmp_path: P
     assert [status for status, _body in answers] == [200] * 4
     assert len({body for _status, body in answers}) == 1
     assert hashed == 1 << 30  # once, not once per request
+
+
+def test_the_hub_stops_hashing_for_a_client_that_went_away(tmp_path: Path) -> None:
+    """A client asking for the sums of many blocks and leaving (a spoke's request timed out,
+    a spoke stopped) does not keep a hashing thread reading and hashing the rest."""
+    with open(tmp_path / "big.bin", "wb") as f:
+        f.truncate(2 << 30)  # sparse: 128 blocks of 16 MiB
+    with running_hub(tmp_path) as hub:
+        big = manifest_files(hub.url)["big.bin"]
+        url = f"{hub.url}/v1/files/{big['i']}/checksums?v={big['v']}&bs={16 << 20}&first=0&count=128"
+        host, port = urllib.parse.urlsplit(hub.url).hostname, urllib.parse.urlsplit(hub.url).port
+        with socket.create_connection((host, port), timeout=10) as client:
+            client.sendall(f"GET {urllib.parse.urlsplit(url).path}?{urllib.parse.urlsplit(url).query} HTTP/1.1\r\n"
+                           f"Host: {host}\r\n\r\n".encode())
+            time.sleep(0.1)  # and goes away
+        hashed, deadline = -1.0, time.monotonic() + 60
+        while time.monotonic() < deadline:  # until the hashing stopped
+            time.sleep(0.5)
+            hashed, before = hashed_bytes(hub.url), hashed
+            if hashed == before:
+                break
+        with urllib.request.urlopen(url, timeout=120) as response:  # for a client that stays: all of them,
+            body = response.read()  # and what was hashed is not hashed again
+        total = hashed_bytes(hub.url)
+    assert hashed < 1 << 30, hashed  # before: all 2 GiB
+    assert len(body) == 128 * 8
+    assert total == 2 << 30, (hashed, total)
 
 
 def hashed_bytes(url: str) -> float:
