@@ -33,18 +33,22 @@ from .namespace import ManifestSummary, NamespaceChanges, load_manifest
 log = logging.getLogger(__name__)
 
 
+class ChildFailed(CachefsError):
+    """The child process gave no answer (it could not start, or died)."""
+
+
 async def load_in_child(index_dir: Path, manifest_gz: Path) -> tuple[ManifestSummary, NamespaceChanges]:
     """`load_manifest` on the environment at `index_dir`, in a child process.
 
     Raises HubProtocolError for a malformed manifest, CachefsError if it cannot
-    be loaded (storage, or the child failed)."""
+    be loaded, ChildFailed if the child gave no answer."""
     command = [sys.executable, "-m", __name__, str(index_dir), str(manifest_gz)]
     result = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
     try:
         answer = json.loads(result.stdout)
     except ValueError:
         detail = result.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {result.returncode}"]
-        raise CachefsError(f"loading the manifest failed: {detail[0]}") from None
+        raise ChildFailed(f"the manifest loader ({sys.executable} -m {__name__}) failed: {detail[0]}") from None
     if "error" in answer:
         error = HubProtocolError if answer.get("kind") == "protocol" else CachefsError
         raise error(answer["error"])

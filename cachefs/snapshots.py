@@ -27,7 +27,7 @@ from .db import Database, put_meta
 from .errors import CachefsError, HubError
 from .hub_client import HubClient, parse_json
 from .namespace import ManifestSummary, Namespace, NamespaceChanges, load_manifest
-from .namespace_loader import load_in_child
+from .namespace_loader import ChildFailed, load_in_child
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,10 @@ class Snapshots:
         """
         try:
             if self._manifest_path.stat().st_size >= LOAD_IN_CHILD_MIN_BYTES:
-                return await load_in_child(Path(self._db.env.path()), self._manifest_path)
+                try:
+                    return await load_in_child(Path(self._db.env.path()), self._manifest_path)
+                except ChildFailed as exc:  # e.g. an interpreter that cannot run -m: load it here
+                    log.warning("%s; loading the manifest in the daemon instead", exc)
             return await trio.to_thread.run_sync(load_manifest, self._db, self._manifest_path)
         except (OSError, lmdb.Error) as exc:
             self._manifest_path.unlink(missing_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import sys
 import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ import xxhash
 from cachefs.db import Database, open_database
 from cachefs.errors import CachefsError, HubProtocolError
 from cachefs.namespace import ROOT_INODE, ManifestSummary, Namespace, NamespaceChanges, inode_number, load_manifest
-from cachefs.namespace_loader import load_in_child
+from cachefs.namespace_loader import ChildFailed, load_in_child
 
 HEADER = {"format": "cachefs-manifest", "format_version": 1}
 
@@ -165,3 +166,10 @@ def test_a_child_process_loads_the_manifest_beside_an_open_environment(db: Datab
     with pytest.raises(CachefsError, match="cannot load the hub's manifest"):
         trio.run(load_in_child, index_dir, tmp_path / "missing.gz")
     assert Namespace(db).summary() == ManifestSummary("g2", 3, 3)
+
+
+def test_a_loader_that_cannot_run_says_so(db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interpreter that cannot run the loader (the daemon then loads the manifest itself)."""
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    with pytest.raises(ChildFailed, match="manifest loader .* failed: exit status 1"):
+        trio.run(load_in_child, Path(db.env.path()), write_manifest(tmp_path / "1.gz", "g1", [dir_entry("")]))
