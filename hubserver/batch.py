@@ -10,6 +10,13 @@ the manifest, so no framing is needed.
 All or nothing: if any file is not the snapshot's (unknown id, other
 version, changed on disk since the scan), the answer is 412 and the spoke
 asks for the files one by one, which tells it which one changed.
+
+The files are read and hashed first (that is what the header needs), with
+at most MAX_IN_MEMORY batches in memory at once; then sent from their
+descriptors with sendfile, holding no memory: a client reading slowly holds
+its connection, not a slot. A file that changes between the two (the
+bytes sent would not match the sums) ends the connection; the spoke
+retries, and its checksum check never lets such bytes through.
 """
 
 from __future__ import annotations
@@ -24,15 +31,22 @@ import xxhash
 from aiohttp import web
 
 from hubserver.checksums import block_bytes_param
-from hubserver.handlers import IMMUTABLE_CACHE_CONTROL, SNAPSHOT_KEY, HubHTTPError, check_query, json_error
+from hubserver.handlers import (
+    IMMUTABLE_CACHE_CONTROL,
+    SNAPSHOT_KEY,
+    HubHTTPError,
+    check_query,
+    json_error,
+    send_file_range,
+)
 from hubserver.manifest import FileChangedError, FileRecord, Snapshot, open_unchanged
 
 LOG = logging.getLogger(__name__)
 
 MAX_FILES: Final = 64
 MAX_BYTES: Final = 8 * 1024 * 1024  # what one answer holds in the hub's memory
-# Batches held in memory at once (at most 256 MiB); one more is answered 503
-# at once (clients retry), so slow readers cannot make the hub hold more.
+# Batches being read and hashed at once (at most 256 MiB in memory); one more
+# is answered 503 at once (clients retry). Sending holds no slot.
 MAX_IN_MEMORY: Final = 32
 SLOTS_KEY: Final = web.AppKey("batch_slots", asyncio.Semaphore)
 SUMS_HEADER: Final = "Cachefs-Batch-Sums"
@@ -61,26 +75,39 @@ async def batch(request: web.Request) -> web.StreamResponse:
         if slots.locked():
             raise HubHTTPError(503, f"{MAX_IN_MEMORY} batches under way; retry", {"Retry-After": "1"})
         async with slots:
-            contents = await asyncio.get_running_loop().run_in_executor(None, _read_all, snapshot, records)
-            return await _send(request, contents)
+            sums = await asyncio.get_running_loop().run_in_executor(None, _hash_all, snapshot, records)
     except _NotInSnapshot as exc:
         LOG.info("batch: %s; answering 412", exc)
         return json_error(412, str(exc))
+    return await _send(request, snapshot, records, sums)
 
 
-async def _send(request: web.Request, contents: list[tuple[bytes, int]]) -> web.StreamResponse:
-    """200 with the contents back to back and their checksums in SUMS_HEADER."""
+async def _send(request: web.Request, snapshot: Snapshot, records: list[FileRecord], sums: list[int]) -> web.StreamResponse:
+    """200 with the files back to back, sent from their descriptors, and their checksums in SUMS_HEADER."""
     response = web.StreamResponse(
         headers={
             "Content-Type": "application/octet-stream",
             "Cache-Control": IMMUTABLE_CACHE_CONTROL,
-            SUMS_HEADER: ",".join(format(checksum, "016x") for _, checksum in contents),
+            SUMS_HEADER: ",".join(format(checksum, "016x") for checksum in sums),
         }
     )
-    response.content_length = sum(len(content) for content, _ in contents)
+    response.content_length = sum(record.size_bytes for record in records)
     await response.prepare(request)
-    for content, _ in contents:
-        await response.write(content)
+    loop = asyncio.get_running_loop()
+    for record in records:
+        if record.size_bytes == 0:
+            continue
+        try:
+            fd = await loop.run_in_executor(None, open_unchanged, snapshot, record)
+        except FileChangedError as exc:  # since it was hashed: the sums sent would not match
+            LOG.warning("batch: file %s changed while being sent (%s); closing the connection", record.file_id, exc)
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError(f"file {record.file_id} changed while being sent") from None
+        try:
+            await send_file_range(request, fd, record, 0, record.size_bytes)
+        finally:
+            os.close(fd)
     await response.write_eof()
     return response
 
@@ -95,9 +122,9 @@ def _record(snapshot: Snapshot, name: str, block_bytes: int) -> FileRecord:
     return record
 
 
-def _read_all(snapshot: Snapshot, records: list[FileRecord]) -> list[tuple[bytes, int]]:
-    """Each file's bytes, read from the inode the scan recorded, and their xxh3_64. Blocking."""
-    contents = []
+def _hash_all(snapshot: Snapshot, records: list[FileRecord]) -> list[int]:
+    """Each file's xxh3_64, read from the inode the scan recorded. Blocking."""
+    sums = []
     for record in records:
         try:
             fd = open_unchanged(snapshot, record)
@@ -110,5 +137,5 @@ def _read_all(snapshot: Snapshot, records: list[FileRecord]) -> list[tuple[bytes
             os.close(fd)
         if len(content) != record.size_bytes:
             raise _NotInSnapshot(f"file {record.file_id} shrank on disk since the snapshot")
-        contents.append((content, xxhash.xxh3_64_intdigest(content)))
-    return contents
+        sums.append(xxhash.xxh3_64_intdigest(content))
+    return sums

@@ -297,18 +297,23 @@ class SnapshotFileResponse(web.StreamResponse):
             self.close_fd()
 
     async def _send_body(self, request: web.BaseRequest) -> None:
-        transport = request.transport
-        if transport is None:
-            raise ConnectionResetError("connection lost")
         offset = self.byte_range[0] if self.byte_range is not None else 0
-        length = self.content_length or 0
-        with open(self.fd, "rb", buffering=0, closefd=False) as file:  # noqa: ASYNC230 (wraps the open descriptor)
-            sent = await asyncio.get_running_loop().sendfile(transport, file, offset, length)
-        if sent < length:
-            LOG.warning("file %s shrank while being sent (%d of %d bytes); closing the connection",
-                        self.record.file_id, sent, length)
-            transport.abort()
-            raise ConnectionResetError(f"file {self.record.file_id} shrank while being sent")
+        await send_file_range(request, self.fd, self.record, offset, self.content_length or 0)
+
+
+async def send_file_range(request: web.BaseRequest, fd: int, record: FileRecord, offset: int, length: int) -> None:
+    """Send `length` bytes of the open descriptor from `offset` as (part of) a prepared
+    response's body, with sendfile. A file that shrank ends the connection at once."""
+    transport = request.transport
+    if transport is None:
+        raise ConnectionResetError("connection lost")
+    with open(fd, "rb", buffering=0, closefd=False) as file:  # noqa: ASYNC230 (wraps the open descriptor)
+        sent = await asyncio.get_running_loop().sendfile(transport, file, offset, length)
+    if sent < length:
+        LOG.warning("file %s shrank while being sent (%d of %d bytes); closing the connection",
+                    record.file_id, sent, length)
+        transport.abort()
+        raise ConnectionResetError(f"file {record.file_id} shrank while being sent")
 
 
 def _lookup(request: web.Request) -> FileRecord:

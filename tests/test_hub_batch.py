@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import socket
+import time
 from pathlib import Path
 
 import xxhash
@@ -105,3 +107,31 @@ def test_batches_beyond_the_memory_slots_are_answered_503_until_one_is_free(tmp_
             assert (await client.get(url)).status == 200
 
     asyncio.run(scenario())
+
+
+def test_clients_reading_batches_slowly_hold_no_slot(tmp_path: Path) -> None:
+    """Batches are sent from their files' descriptors once hashed: MAX_IN_MEMORY clients
+    that ask for 8 MiB batches and do not read them hold their connections, not the slots
+    (before: every other client's batch was 503 for as long as they kept them)."""
+    contents = {f"f{i:02d}.bin": bytes([i]) * (128 * KiB) for i in range(64)}
+    for name, data in contents.items():
+        (tmp_path / name).write_bytes(data)
+    with running_hub(tmp_path) as hub:
+        entries = manifest_files(hub.url)
+        names = ",".join(f"{entries[name]['i']}.{entries[name]['v']}" for name in contents)
+        query = f"/v1/batch?bs={128 * KiB}&f={names}"
+        slow = []
+        try:
+            for _ in range(batch.MAX_IN_MEMORY):
+                client = socket.socket()
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and never reads
+                client.connect((hub.host, hub.port))
+                client.sendall(f"GET {query} HTTP/1.1\r\nHost: hub\r\n\r\n".encode())
+                slow.append(client)
+            time.sleep(1.0)  # all of them hashed and being sent
+            reply = http_get(hub, query)
+            assert reply.status == 200, reply.body[:200]
+            assert reply.body == b"".join(contents.values())
+        finally:
+            for client in slow:
+                client.close()
