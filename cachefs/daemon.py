@@ -177,11 +177,12 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
             admin.add_section("training", planner.snapshot)
 
             async def refresh() -> dict[str, Any]:
-                # Plans resolved against the old snapshot end the moment the new one is
-                # loaded, not after the kernel's caches were told (a plan sent meanwhile
-                # was resolved against the new one).
+                # Plans resolved against the old snapshot end once the new one is loaded;
+                # those that started arriving after it was shown are kept.
                 return await snapshots.refresh(
-                    cache, _invalidate_kernel_caches, lambda: planner.cancel_all("the mount moved to a new snapshot")
+                    cache,
+                    _invalidate_kernel_caches,
+                    lambda generation: planner.cancel_all("the mount moved to a new snapshot", generation),
                 )
 
             admin.on_refresh(refresh)

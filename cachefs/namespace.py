@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -259,10 +259,16 @@ def inode_number(path: str) -> int:
     return number if number > ROOT_INODE else number + 2
 
 
-def load_manifest(db: Database, manifest_gz: Path) -> tuple[ManifestSummary, NamespaceChanges]:
+def load_manifest(
+    db: Database,
+    manifest_gz: Path,
+    before_commit: Callable[[ManifestSummary, NamespaceChanges], None] | None = None,
+) -> tuple[ManifestSummary, NamespaceChanges]:
     """Replace the namespace with the manifest in `manifest_gz` (one transaction).
 
-    Returns the summary and what changed against the namespace it replaces.
+    Returns the summary and what changed against the namespace it replaces;
+    `before_commit` gets them first, inside the transaction (if it raises,
+    nothing is loaded).
     The old namespace is compared in LMDB, not copied into memory: the
     daemon's memory does not grow with the number of entries (only with the
     changes listed, and the number of directories).
@@ -283,8 +289,11 @@ def load_manifest(db: Database, manifest_gz: Path) -> tuple[ManifestSummary, Nam
             txn.put(b"generation", str(header["generation"]).encode(), db=db.meta)
             txn.put(b"entries", str(entries).encode(), db=db.meta)
             txn.put(b"file_bytes", str(file_bytes).encode(), db=db.meta)
+            summary = ManifestSummary(str(header["generation"]), entries, file_bytes)
+            if before_commit is not None:
+                before_commit(summary, changes)
     log.info("loaded manifest generation %s: %d entries, %d file bytes", header["generation"], entries, file_bytes)
-    return ManifestSummary(str(header["generation"]), entries, file_bytes), changes
+    return summary, changes
 
 
 def _drop_old_names(txn: lmdb.Transaction, db: Database, changes: NamespaceChanges) -> None:

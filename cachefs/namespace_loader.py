@@ -9,17 +9,24 @@ the commit atomically), runs `namespace.load_manifest` and exits, and that
 memory goes with it. The daemon's readers and writers carry on meanwhile
 (its writers wait for the write lock, as they did for a load in a thread).
 
-The child prints one JSON object on stdout: the summary and the changes,
-or the error.
+What the load changed is written to an answer file inside the load's
+transaction, before its commit: a child that dies after committing (the
+OOM killer) still leaves the daemon what to tell the kernel, and a child
+that dies before never leaves an answer for a generation the namespace
+shows. On stdout the child says "started" once it runs, then either "ok"
+or the error as JSON.
 
-    python -m cachefs.namespace_loader INDEX_DIR MANIFEST_GZ
+    python -m cachefs.namespace_loader INDEX_DIR MANIFEST_GZ ANSWER_JSON
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,27 +41,58 @@ log = logging.getLogger(__name__)
 
 
 class ChildFailed(CachefsError):
-    """The child process gave no answer (it could not start, or died)."""
+    """The child process could not run the load (it could not start, or died before starting it)."""
 
 
-async def load_in_child(index_dir: Path, manifest_gz: Path) -> tuple[ManifestSummary, NamespaceChanges]:
+async def load_in_child(
+    index_dir: Path, manifest_gz: Path, stored_generation: Callable[[], str | None]
+) -> tuple[ManifestSummary, NamespaceChanges]:
     """`load_manifest` on the environment at `index_dir`, in a child process.
 
-    Raises HubProtocolError for a malformed manifest, CachefsError if it cannot
-    be loaded, ChildFailed if the child gave no answer."""
-    command = [sys.executable, "-m", __name__, str(index_dir), str(manifest_gz)]
-    result = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
+    `stored_generation` reads the generation the namespace shows (the daemon's
+    own environment). Raises HubProtocolError for a malformed manifest,
+    CachefsError if it was not loaded, ChildFailed if the child could not run.
+    """
+    answer_path = manifest_gz.with_name(manifest_gz.name + ".loaded.json")
+    answer_path.unlink(missing_ok=True)
+    command = [sys.executable, "-m", __name__, str(index_dir), str(manifest_gz), str(answer_path)]
     try:
-        answer = json.loads(result.stdout)
+        result = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
+    except OSError as exc:  # no such interpreter, not executable, ...
+        raise ChildFailed(f"the manifest loader ({sys.executable} -m {__name__}) cannot run: {exc}") from None
+    try:
+        loaded = _read_answer(answer_path, stored_generation)
+    finally:
+        answer_path.unlink(missing_ok=True)
+    if loaded is not None:
+        summary, changes = loaded
+        log.info("loaded manifest generation %s: %d entries, %d file bytes", summary.generation, summary.entries,
+                 summary.file_bytes)
+        return summary, changes
+    lines = result.stdout.splitlines()
+    if lines[-1:] and lines[-1].startswith(b"{"):
+        report = json.loads(lines[-1])
+        if "error" in report:
+            raise (HubProtocolError if report.get("kind") == "protocol" else CachefsError)(report["error"])
+    detail = result.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {result.returncode}"]
+    if b"started" not in lines:
+        raise ChildFailed(f"the manifest loader ({sys.executable} -m {__name__}) failed: {detail[0]}")
+    raise CachefsError(f"the manifest loader died before loading anything ({detail[0]})")
+
+
+def _read_answer(
+    answer_path: Path, stored_generation: Callable[[], str | None]
+) -> tuple[ManifestSummary, NamespaceChanges] | None:
+    """The child's answer if its load was committed (the namespace shows its generation)."""
+    try:
+        answer = json.loads(answer_path.read_bytes())
+    except FileNotFoundError:
+        return None
     except ValueError:
-        detail = result.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {result.returncode}"]
-        raise ChildFailed(f"the manifest loader ({sys.executable} -m {__name__}) failed: {detail[0]}") from None
-    if "error" in answer:
-        error = HubProtocolError if answer.get("kind") == "protocol" else CachefsError
-        raise error(answer["error"])
+        return None  # cut short: the child died writing it, before the commit
     summary = ManifestSummary(**answer["summary"])
-    log.info("loaded manifest generation %s: %d entries, %d file bytes", summary.generation, summary.entries,
-             summary.file_bytes)
+    if stored_generation() != summary.generation:
+        return None  # written, but the child died before the commit
     return summary, _changes_from_json(answer["changes"])
 
 
@@ -75,30 +113,40 @@ def _changes_from_json(data: dict[str, Any]) -> NamespaceChanges:
     )
 
 
-def _load(index_dir: Path, manifest_gz: Path) -> dict[str, Any]:
-    """The child's work: its answer, as JSON-ready data."""
+def _load(index_dir: Path, manifest_gz: Path, answer_path: Path) -> dict[str, Any]:
+    """The child's work: the load, its answer written before the commit. Returns what to print."""
+
+    def write_answer(summary: ManifestSummary, changes: NamespaceChanges) -> None:
+        answer = {"summary": dataclasses.asdict(summary), "changes": _changes_to_json(changes)}
+        partial = answer_path.with_name(answer_path.name + ".part")
+        partial.write_text(json.dumps(answer))
+        os.replace(partial, answer_path)
+
     try:
         db = open_database(index_dir)
-        try:
-            summary, changes = load_manifest(db, manifest_gz)
-        finally:
-            db.close()
+    except (OSError, lmdb.Error) as exc:
+        return {"error": f"cannot load the hub's manifest into {index_dir.parent}: {exc}", "kind": "storage"}
+    try:
+        load_manifest(db, manifest_gz, before_commit=write_answer)
     except HubProtocolError as exc:
         return {"error": str(exc), "kind": "protocol"}
     except (OSError, lmdb.Error) as exc:
         return {"error": f"cannot load the hub's manifest into {index_dir.parent}: {exc}", "kind": "storage"}
-    return {
-        "summary": {"generation": summary.generation, "entries": summary.entries, "file_bytes": summary.file_bytes},
-        "changes": _changes_to_json(changes),
-    }
+    finally:
+        try:
+            db.close()
+        except (OSError, lmdb.Error) as exc:  # after the commit: the load stands
+            log.warning("closing the index after loading: %s", exc)
+    return {"ok": True}
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m cachefs.namespace_loader INDEX_DIR MANIFEST_GZ", file=sys.stderr)
+    if len(argv) != 3:
+        print("usage: python -m cachefs.namespace_loader INDEX_DIR MANIFEST_GZ ANSWER_JSON", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    json.dump(_load(Path(argv[0]), Path(argv[1])), sys.stdout)
+    print("started", flush=True)
+    print(json.dumps(_load(Path(argv[0]), Path(argv[1]), Path(argv[2]))), flush=True)
     return 0
 
 

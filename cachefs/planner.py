@@ -286,6 +286,7 @@ class Plan:
     def __init__(self, plan_id: int, store: EntryStore, block_size: int) -> None:
         self.id = plan_id
         self.epoch: int | None = None  # set once the plan is accepted: a rejected plan starts no epoch
+        self.generation: str | None = None  # the snapshot shown when it started arriving
         self.store = store
         self.block_size = block_size
         self.created_s = self.progress_s = time.monotonic()  # progress: the last use matched
@@ -667,9 +668,12 @@ class Planner:
                     plan.released.append(entry)
                     break
 
-    def cancel_all(self, reason: str) -> None:
-        """End every plan (the snapshot changed under them)."""
+    def cancel_all(self, reason: str, keep_generation: str | None = None) -> None:
+        """End every plan (the snapshot changed under them), except those that started
+        arriving while `keep_generation` was already shown (resolved against it only)."""
         for plan in list(self._plans.values()):
+            if keep_generation is not None and plan.generation == keep_generation:
+                continue
             log.info("cancelling plan %d: %s", plan.id, reason)
             self._end(plan)
 
@@ -869,6 +873,8 @@ class Planner:
         plan_id = self._next_id
         self._next_id += 1
         plan = Plan(plan_id, EntryStore(self._plans_dir / f"{plan_id}.entries"), self._block_size)
+        shown = self._namespace.summary()
+        plan.generation = shown.generation if shown is not None else None
         plan.min_trail = plan.trail = self._learned_trail
         self._plans[plan.id] = plan
         try:

@@ -68,12 +68,12 @@ class Snapshots:
             put_meta(self._db, "hub_url", str(self._config.hub_url))
         self._manifest_path.unlink(missing_ok=True)
 
-    async def refresh(self, cache: BlockCache, invalidate: Invalidate, moved: Callable[[], None]) -> dict[str, Any]:
+    async def refresh(self, cache: BlockCache, invalidate: Invalidate, moved: Callable[[str], None]) -> dict[str, Any]:
         """Move to the hub's current generation; a no-op if it is the one shown.
 
-        `moved` is called as soon as the new generation is loaded, before any
-        other task runs: what was resolved against the old one ends there
-        (plans), and what starts after it sees only the new one.
+        `moved` gets the new generation as soon as it is loaded, before the
+        kernel is told: what was resolved against the old one ends there
+        (plans; a plan that started arriving once the new one was shown is kept).
         """
         async with self._lock:
             old = self._namespace.summary()
@@ -81,7 +81,7 @@ class Snapshots:
             if generation is None:
                 return {"generation": old.generation if old else None, "changed": False}
             summary, changes = await self._load()
-            moved()
+            moved(summary.generation)
             self._manifest_path.unlink(missing_ok=True)
             await invalidate(changes)
             dropped = await trio.to_thread.run_sync(cache.drop_stale, self._namespace.file_version)
@@ -125,6 +125,10 @@ class Snapshots:
             raise CachefsError(f"cannot store the hub's manifest in {self._manifest_path.parent}: "
                                f"{exc.strerror or exc}") from None
 
+    def _stored_generation(self) -> str | None:
+        summary = self._namespace.summary()
+        return summary.generation if summary is not None else None
+
     async def _load(self) -> tuple[ManifestSummary, NamespaceChanges]:
         """Load the downloaded manifest into the namespace (one transaction: all or nothing).
 
@@ -135,7 +139,7 @@ class Snapshots:
         try:
             if self._manifest_path.stat().st_size >= LOAD_IN_CHILD_MIN_BYTES:
                 try:
-                    return await load_in_child(Path(self._db.env.path()), self._manifest_path)
+                    return await load_in_child(Path(self._db.env.path()), self._manifest_path, self._stored_generation)
                 except ChildFailed as exc:  # e.g. an interpreter that cannot run -m: load it here
                     log.warning("%s; loading the manifest in the daemon instead", exc)
             return await trio.to_thread.run_sync(load_manifest, self._db, self._manifest_path)

@@ -146,30 +146,79 @@ def test_loading_and_refreshing_do_not_copy_the_namespace_into_memory(db: Databa
     assert Namespace(db).resolve(f"d{directories - 1:04d}") is None
 
 
+def shown_generation(db: Database) -> Callable[[], str | None]:
+    def generation() -> str | None:
+        summary = Namespace(db).summary()
+        return summary.generation if summary is not None else None
+
+    return generation
+
+
+def load_via_child(db: Database, manifest_gz: Path) -> tuple[ManifestSummary, NamespaceChanges]:
+    return trio.run(load_in_child, Path(db.env.path()), manifest_gz, shown_generation(db))
+
+
 def test_a_child_process_loads_the_manifest_beside_an_open_environment(db: Database, tmp_path: Path) -> None:
     """The daemon loads manifests in a child process (the memory LMDB keeps after a large write
     leaves with it); its open environment sees the commit, names that are not UTF-8 included."""
-    index_dir = Path(db.env.path())
     old = [dir_entry(""), file_entry("keep.bin", 1), file_entry("gone.bin", 1)]
-    summary, changes = trio.run(load_in_child, index_dir, write_manifest(tmp_path / "1.gz", "g1", old))
+    summary, changes = load_via_child(db, write_manifest(tmp_path / "1.gz", "g1", old))
     assert (summary.generation, summary.entries, changes) == ("g1", 3, NamespaceChanges())
     odd = os.fsdecode(b"caf\xe9-\xff.bin")  # not UTF-8
     new = [dir_entry(""), file_entry("keep.bin", 2), file_entry(odd, 1)]
-    summary, changes = trio.run(load_in_child, index_dir, write_manifest(tmp_path / "2.gz", "g2", new))
+    summary, changes = load_via_child(db, write_manifest(tmp_path / "2.gz", "g2", new))
     assert summary == ManifestSummary("g2", 3, 3)
     removed = [(ROOT_INODE, b"gone.bin", inode_number("gone.bin"))]
     added = [(ROOT_INODE, b"caf\xe9-\xff.bin")]
     assert changes == NamespaceChanges(changed=[inode_number("keep.bin")], removed=removed, added=added)
     assert names(Namespace(db), "") == ["keep.bin", odd]  # this process's environment sees it
     with pytest.raises(HubProtocolError, match="does not start with the root directory"):
-        trio.run(load_in_child, index_dir, write_manifest(tmp_path / "3.gz", "g3", [file_entry("x", 1)]))
+        load_via_child(db, write_manifest(tmp_path / "3.gz", "g3", [file_entry("x", 1)]))
     with pytest.raises(CachefsError, match="cannot load the hub's manifest"):
-        trio.run(load_in_child, index_dir, tmp_path / "missing.gz")
+        load_via_child(db, tmp_path / "missing.gz")
     assert Namespace(db).summary() == ManifestSummary("g2", 3, 3)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["1.gz", "2.gz", "3.gz", "index.lmdb"]  # no answer left
 
 
-def test_a_loader_that_cannot_run_says_so(db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An interpreter that cannot run the loader (the daemon then loads the manifest itself)."""
-    monkeypatch.setattr(sys, "executable", "/bin/false")
-    with pytest.raises(ChildFailed, match="manifest loader .* failed: exit status 1"):
-        trio.run(load_in_child, Path(db.env.path()), write_manifest(tmp_path / "1.gz", "g1", [dir_entry("")]))
+def fake_interpreter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str) -> None:
+    """sys.executable becomes a shell script (the real interpreter is $REAL in it)."""
+    path = tmp_path / "python"
+    path.write_text(f"#!/bin/sh\nREAL={sys.executable}\n{script}\n")
+    path.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(path))
+
+
+def test_a_loader_that_dies_after_committing_still_reports_the_changes(
+    db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answer is written inside the transaction: a child killed after its commit (the OOM
+    killer) leaves the changes for the kernel's invalidations (before: none were reported)."""
+    load_via_child(db, write_manifest(tmp_path / "1.gz", "g1", [dir_entry(""), file_entry("a", 1), file_entry("b", 1)]))
+    fake_interpreter(tmp_path, monkeypatch, '"$REAL" "$@" > /dev/null; exit 137')
+    summary, changes = load_via_child(db, write_manifest(tmp_path / "2.gz", "g2", [dir_entry(""), file_entry("a", 2)]))
+    assert summary.generation == "g2"
+    assert changes == NamespaceChanges(changed=[inode_number("a")], removed=[(ROOT_INODE, b"b", inode_number("b"))])
+
+
+@pytest.mark.parametrize(
+    ("script", "error", "message"),
+    [
+        ("exit 1", ChildFailed, "failed: exit status 1"),  # cannot import cachefs, say
+        ("echo started; exit 137", CachefsError, "died before loading anything"),
+    ],
+)
+def test_a_loader_that_fails_says_so(
+    db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str, error: type[Exception], message: str
+) -> None:
+    """ChildFailed (the daemon then loads the manifest itself) only when the loader never ran."""
+    fake_interpreter(tmp_path, monkeypatch, script)
+    with pytest.raises(error, match=message) as raised:
+        load_via_child(db, write_manifest(tmp_path / "1.gz", "g1", [dir_entry("")]))
+    assert isinstance(raised.value, ChildFailed) == (error is ChildFailed)
+    assert Namespace(db).summary() is None
+
+
+def test_a_loader_that_cannot_start_says_so(db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
+    with pytest.raises(ChildFailed, match="cannot run"):
+        load_via_child(db, write_manifest(tmp_path / "1.gz", "g1", [dir_entry("")]))
