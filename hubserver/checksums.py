@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import functools
+import dataclasses
 import logging
 import os
 import re
@@ -67,6 +67,19 @@ def _always_wanted() -> bool:
     return True
 
 
+@dataclasses.dataclass(frozen=True)
+class SumsAsked:
+    """The checksums one request asks for: `count` blocks of `block_bytes` from block `first`."""
+
+    snapshot: Snapshot
+    record: FileRecord
+    block_bytes: int
+    first: int
+    count: int
+    fd: int | None = None  # a descriptor of the file from open_unchanged (already checked), else one is opened
+    wanted: Callable[[], bool] = _always_wanted  # asked between blocks: False once the client went away
+
+
 def still_connected(request: web.Request) -> Callable[[], bool]:
     """Whether the request's client is still connected (asked from the hashing threads)."""
     transport = request.transport
@@ -89,75 +102,54 @@ class ChecksumCache:
         self._lock = threading.Lock()
         self._hashers = concurrent.futures.ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="checksums")
 
-    async def sums(
-        self,
-        snapshot: Snapshot,
-        record: FileRecord,
-        block_bytes: int,
-        first: int,
-        count: int,
-        fd: int | None = None,
-        wanted: Callable[[], bool] = _always_wanted,
-    ) -> bytes:
+    async def sums(self, asked: SumsAsked) -> bytes:
         """`block_sums` in the hashing threads."""
-        call = functools.partial(self.block_sums, snapshot, record, block_bytes, first, count, fd, wanted)
-        return await asyncio.get_running_loop().run_in_executor(self._hashers, call)
+        return await asyncio.get_running_loop().run_in_executor(self._hashers, self.block_sums, asked)
 
     def close(self) -> None:
         """Stop the hashing threads (at shutdown; hashing under way finishes in the background)."""
         self._hashers.shutdown(wait=False, cancel_futures=True)
 
-    def block_sums(
-        self,
-        snapshot: Snapshot,
-        record: FileRecord,
-        block_bytes: int,
-        first: int,
-        count: int,
-        fd: int | None = None,
-        wanted: Callable[[], bool] = _always_wanted,
-    ) -> bytes:
+    def block_sums(self, asked: SumsAsked) -> bytes:
         """8-byte big-endian checksums of the blocks, computing the missing ones. Blocking.
 
-        `fd`: a descriptor of the file from open_unchanged (already checked), else one is opened.
-        `wanted` is asked between blocks: once it says no (the client went away),
-        RequestAbandoned is raised; the sums computed so far are kept, and a request
-        waiting for them computes the rest.
+        Rounds until every sum is known: take those remembered, claim and compute
+        those nobody is computing, then wait for the others' (its own share first:
+        no waiting in a cycle). A computation that stops (its client went away,
+        RequestAbandoned; a failure) leaves its blocks to the next round's claims.
         """
-        last = min(first + count, -(-record.size_bytes // block_bytes))
-        keys = [(record.file_id, record.version, block_bytes, block) for block in range(first, last)]
-        with self._lock:
-            known = {key: self._sums[key] for key in keys if key in self._sums}
-            others = {self._computing[key] for key in keys if key not in known and key in self._computing}
-            mine = [key for key in keys if key not in known and key not in self._computing]
-            done = threading.Event()
-            self._computing.update((key, done) for key in mine)
-        try:
-            if mine:  # first its own share, then wait for the others' (no waiting in a cycle)
-                self._compute(snapshot, record, block_bytes, mine, fd, known, wanted)
-        finally:
+        record, block_bytes = asked.record, asked.block_bytes
+        last = min(asked.first + asked.count, -(-record.size_bytes // block_bytes))
+        keys = [(record.file_id, record.version, block_bytes, block) for block in range(asked.first, last)]
+        known: dict[_Key, int] = {}
+        hashed_here = False
+        left = keys
+        while left:
             with self._lock:
-                self._remember(known)
-                for key in mine:
-                    del self._computing[key]
-            done.set()
-        for event in others:
-            while not event.wait(_WAIT_CHECK_S):
-                if not wanted():
-                    raise RequestAbandoned(f"the client of the sums of {record.path!r} went away")
-        with self._lock:  # what the others computed (their turn in the LRU is now too)
-            later = {key: self._sums[key] for key in keys if key not in known and key in self._sums}
-        left = [key for key in keys if key not in known and key not in later]  # another computation failed or stopped
-        if not left and not mine and fd is None and not check_unchanged(snapshot, record):
-            raise FileChangedError(f"{record.path!r} changed since the scan")  # remembered sums are for the scanned file
-        try:
-            if left:
-                self._compute(snapshot, record, block_bytes, left, fd, later, wanted)
-        finally:
-            if later:
+                remembered = {key: self._sums[key] for key in left if key in self._sums}
+                others = {self._computing[key] for key in left if key not in remembered and key in self._computing}
+                mine = [key for key in left if key not in remembered and key not in self._computing]
+                done = threading.Event()
+                self._computing.update((key, done) for key in mine)
+                self._remember(remembered)  # their turn in the LRU is now too
+            known.update(remembered)
+            try:
+                if mine:
+                    hashed_here = True
+                    self._compute(asked, mine, known)
+            finally:
                 with self._lock:
-                    self._remember(later)
-        known.update(later)
+                    self._remember({key: known[key] for key in mine if key in known})
+                    for key in mine:
+                        del self._computing[key]
+                done.set()
+            for event in others:
+                while not event.wait(_WAIT_CHECK_S):
+                    if not asked.wanted():
+                        raise RequestAbandoned(f"the client of the sums of {record.path!r} went away")
+            left = [key for key in left if key not in known]
+        if not hashed_here and asked.fd is None and not check_unchanged(asked.snapshot, record):
+            raise FileChangedError(f"{record.path!r} changed since the scan")  # remembered sums are for the scanned file
         return b"".join(known[key].to_bytes(8, "big") for key in keys)
 
     def _remember(self, sums: dict[_Key, int]) -> None:
@@ -168,27 +160,19 @@ class ChecksumCache:
         while len(self._sums) > self._capacity:
             self._sums.popitem(last=False)
 
-    def _compute(
-        self,
-        snapshot: Snapshot,
-        record: FileRecord,
-        block_bytes: int,
-        keys: list[_Key],
-        fd: int | None,
-        into: dict[_Key, int],
-        wanted: Callable[[], bool],
-    ) -> None:
-        """Hash the blocks of `keys` into `into`, one by one, while `wanted`."""
-        source = open_unchanged(snapshot, record) if fd is None else fd
+    def _compute(self, asked: SumsAsked, keys: list[_Key], into: dict[_Key, int]) -> None:
+        """Hash the blocks of `keys` into `into`, one by one, while the request is wanted."""
+        record, block_bytes = asked.record, asked.block_bytes
+        source = open_unchanged(asked.snapshot, record) if asked.fd is None else asked.fd
         try:
             for key in keys:
-                if not wanted():
+                if not asked.wanted():
                     raise RequestAbandoned(f"the client of the sums of {record.path!r} went away")
                 data = os.pread(source, block_bytes, key[3] * block_bytes)
                 self._on_hashed(len(data))
                 into[key] = xxhash.xxh3_64_intdigest(data)
         finally:
-            if fd is None:
+            if asked.fd is None:
                 os.close(source)
 
 
@@ -224,7 +208,9 @@ async def file_data(request: web.Request) -> web.StreamResponse:
     snapshot = request.app[SNAPSHOT_KEY].current
     checksums = request.app[CHECKSUMS_KEY]
     try:
-        sums = await checksums.sums(snapshot, record, block_bytes, first, stop - first, response.fd, still_connected(request))
+        sums = await checksums.sums(
+            SumsAsked(snapshot, record, block_bytes, first, stop - first, response.fd, still_connected(request))
+        )
     except FileChangedError as exc:
         response.close_fd()
         LOG.warning("file %s: %s; answering 412", record.file_id, exc)
@@ -259,7 +245,9 @@ async def file_checksums(request: web.Request) -> web.Response:
     if first * block_bytes >= max(1, record.size_bytes):
         raise HubHTTPError(416, f"file {file_id} has no block {first} of {block_bytes} bytes")
     try:
-        body = await request.app[CHECKSUMS_KEY].sums(snapshot, record, block_bytes, first, count, None, still_connected(request))
+        body = await request.app[CHECKSUMS_KEY].sums(
+            SumsAsked(snapshot, record, block_bytes, first, count, wanted=still_connected(request))
+        )
     except FileChangedError as exc:
         LOG.warning("file %s: %s; answering 412", file_id, exc)
         return json_error(412, f"file {file_id} changed on disk since the snapshot")

@@ -10,10 +10,14 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import xxhash
 from hub_helpers import running_hub
+
+from hubserver.checksums import ChecksumCache, RequestAbandoned, SumsAsked
+from hubserver.manifest import scan
 
 KiB = 1024
 
@@ -184,3 +188,45 @@ def hashed_bytes(url: str) -> float:
         text = response.read().decode()
     return next(float(line.split()[-1]) for line in text.splitlines()
                 if line.startswith("cachefs_hub_checksum_hashed_bytes_total "))
+
+
+def test_sums_a_request_stopped_computing_are_computed_once_by_the_others(tmp_path: Path) -> None:
+    """A leaves (its client went away) while B waits for its computation: B claims the rest,
+    and C, arriving meanwhile, waits for B instead of hashing them again (in process: the
+    ChecksumCache of a scanned tree, ~10 ms per block)."""
+    with open(tmp_path / "big.bin", "wb") as f:
+        f.truncate(128 << 20)  # sparse: 128 blocks of 1 MiB
+    snapshot = scan(tmp_path)
+    record = next(iter(snapshot.files_by_id.values()))
+    hashed: list[int] = []
+
+    def on_hashed(length: int) -> None:
+        hashed.append(length)
+        time.sleep(0.01)
+
+    cache = ChecksumCache(on_hashed=on_hashed)
+    a_connected = threading.Event()
+    a_connected.set()
+    results: dict[str, object] = {}
+
+    def ask(name: str, wanted: Callable[[], bool]) -> None:
+        try:
+            results[name] = cache.block_sums(SumsAsked(snapshot, record, 1 << 20, 0, 128, wanted=wanted))
+        except RequestAbandoned:
+            results[name] = "abandoned"
+
+    askers = {"A": threading.Thread(target=ask, args=("A", a_connected.is_set))}
+    askers["A"].start()
+    time.sleep(0.1)
+    askers["B"] = threading.Thread(target=ask, args=("B", lambda: True))
+    askers["B"].start()
+    time.sleep(0.1)
+    a_connected.clear()  # A's client leaves
+    time.sleep(0.5)  # B computes the rest
+    askers["C"] = threading.Thread(target=ask, args=("C", lambda: True))
+    askers["C"].start()
+    for asker in askers.values():
+        asker.join(timeout=60)
+    expected = b"".join(xxhash.xxh3_64_intdigest(bytes(1 << 20)).to_bytes(8, "big") for _ in range(128))
+    assert results == {"A": "abandoned", "B": expected, "C": expected}
+    assert sum(hashed) == 128 << 20  # each block once (before: ~237 MiB)
