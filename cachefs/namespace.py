@@ -374,15 +374,24 @@ def _entry_to_inode(entry: dict[str, Any]) -> Inode:
         raise ValueError("invalid path")
     kind = _KINDS[entry["k"]]
     parent = ROOT_INODE if path == "" else inode_number(path.rpartition("/")[0])
-    common = dict(ino=inode_number(path), kind=kind, mode=int(entry["m"]) & 0o7777, mtime_ns=int(entry["t"]), parent=parent)
+    mtime_ns = _in_range(entry["t"], -(1 << 63), 1 << 63)
+    common = dict(ino=inode_number(path), kind=kind, mode=int(entry["m"]) & 0o7777, mtime_ns=mtime_ns, parent=parent)
     if kind == KIND_FILE:
         file_id, version = bytes.fromhex(entry["i"]), bytes.fromhex(entry["v"])
         if len(file_id) != 8 or len(version) != 8:
             raise ValueError("file id and version must be 16 hex digits")
         if int.from_bytes(file_id, "big") != xxhash.xxh3_64_intdigest(os.fsencode(path)):
             raise ValueError("file id does not match the path")
-        return Inode(size=int(entry["s"]), file_id=file_id, version=version, **common)
+        return Inode(size=_in_range(entry["s"], 0, 1 << 63), file_id=file_id, version=version, **common)
     if kind == KIND_SYMLINK:
         target = os.fsencode(entry["l"])
         return Inode(size=len(target), target=target, **common)
     return Inode(size=0, **common)
+
+
+def _in_range(value: Any, low: int, high: int) -> int:
+    """An integer of the manifest that must fit its field: low <= value < high (else ValueError)."""
+    number = int(value)
+    if not low <= number < high:
+        raise ValueError(f"{number} is out of range")
+    return number
