@@ -69,6 +69,10 @@ class Admin:
 
     # -- helpers --------------------------------------------------------------------
 
+    async def _files_in_thread(self, paths: Any) -> list[Inode]:
+        """`_files` in a worker thread: a directory of a million files takes seconds to walk."""
+        return await trio.to_thread.run_sync(self._files, paths)
+
     def _files(self, paths: Any) -> list[Inode]:
         """Regular files at or below the given paths, each once; unknown paths are an error."""
         if not isinstance(paths, list) or not paths or not all(isinstance(p, str) for p in paths):
@@ -126,12 +130,12 @@ class Admin:
 
     async def warm(self, request: dict[str, Any], progress: Progress) -> dict[str, Any]:
         """Fetch files into the cache, in parallel, reporting progress; optionally pin them."""
-        files = self._files(request.get("paths"))
         parallel = int(request.get("parallel") or 8)
         if not 1 <= parallel <= MAX_PARALLEL:
             raise CachefsError(f"--parallel must be between 1 and {MAX_PARALLEL}")
+        files = await self._files_in_thread(request.get("paths"))
         if request.get("pin"):
-            self._cache.pin({f.file_id: f.size for f in files})
+            await trio.to_thread.run_sync(self._cache.pin, {f.file_id: f.size for f in files})
         job = _WarmJob(files, self, parallel)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(job.run, nursery.cancel_scope)
@@ -161,15 +165,16 @@ class Admin:
             raise CachefsError("cannot refresh: the hub did not answer in time") from None
 
     async def unpin(self, request: dict[str, Any], progress: Progress) -> dict[str, Any]:
-        files = self._files(request.get("paths"))
-        return {"unpinned_files": self._cache.unpin([f.file_id for f in files]), "files": len(files)}
+        files = await self._files_in_thread(request.get("paths"))
+        unpinned = await trio.to_thread.run_sync(self._cache.unpin, [f.file_id for f in files])
+        return {"unpinned_files": unpinned, "files": len(files)}
 
     async def evict(self, request: dict[str, Any], progress: Progress) -> dict[str, Any]:
         """Drop the cached blocks (and pins) of files; they are fetched again when read."""
-        files = self._files(request.get("paths"))
+        files = await self._files_in_thread(request.get("paths"))
         file_ids = {f.file_id for f in files}
         self._fetcher.discard_pending(lambda key: key.file_id in file_ids)
-        self._cache.unpin(list(file_ids))
+        await trio.to_thread.run_sync(self._cache.unpin, list(file_ids))
         freed = 0
         for file_id in file_ids:
             freed += await trio.to_thread.run_sync(self._cache.evict_file, file_id)
@@ -181,7 +186,7 @@ class Admin:
         if not request.get("all"):
             raise CachefsError("purge needs --all")
         self._fetcher.discard_pending(lambda key: True)
-        self._cache.unpin(self._cache.pinned_file_ids())
+        await trio.to_thread.run_sync(self._cache.unpin, self._cache.pinned_file_ids())
         blocks = await trio.to_thread.run_sync(self._cache.purge)
         self._forget_memory()
         log.info("purged %d cached blocks", blocks)
