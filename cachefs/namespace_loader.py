@@ -86,10 +86,8 @@ def _read_answer(
     """The child's answer if its load was committed (the namespace shows its generation)."""
     try:
         answer = json.loads(answer_path.read_bytes())
-    except FileNotFoundError:
+    except (FileNotFoundError, ValueError):  # none, or cut short: the child died before the commit
         return None
-    except ValueError:
-        return None  # cut short: the child died writing it, before the commit
     summary = ManifestSummary(**answer["summary"])
     if stored_generation() != summary.generation:
         return None  # written, but the child died before the commit
@@ -122,21 +120,20 @@ def _load(index_dir: Path, manifest_gz: Path, answer_path: Path) -> dict[str, An
         partial.write_text(json.dumps(answer))
         os.replace(partial, answer_path)
 
+    db = None
     try:
         db = open_database(index_dir)
-    except (OSError, lmdb.Error) as exc:
-        return {"error": f"cannot load the hub's manifest into {index_dir.parent}: {exc}", "kind": "storage"}
-    try:
         load_manifest(db, manifest_gz, before_commit=write_answer)
     except HubProtocolError as exc:
         return {"error": str(exc), "kind": "protocol"}
     except (OSError, lmdb.Error) as exc:
         return {"error": f"cannot load the hub's manifest into {index_dir.parent}: {exc}", "kind": "storage"}
     finally:
-        try:
-            db.close()
-        except (OSError, lmdb.Error) as exc:  # after the commit: the load stands
-            log.warning("closing the index after loading: %s", exc)
+        if db is not None:
+            try:
+                db.close()
+            except (OSError, lmdb.Error) as exc:  # after the commit: the load stands
+                log.warning("closing the index after loading: %s", exc)
     return {"ok": True}
 
 
