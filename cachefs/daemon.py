@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import pyfuse3
 import trio
 
@@ -27,7 +28,7 @@ from .admin import Admin
 from .cache import BlockCache
 from .config import MountConfig
 from .control import SOCKET_NAME, ControlServer
-from .db import Database, get_meta, open_database, put_meta
+from .db import IndexDb, NamespaceDb, get_meta, open_cache_databases, put_meta
 from .errors import CacheDirInUse, CachefsError, UsageError
 from .fetcher import Fetcher
 from .fs import CachefsOperations
@@ -109,17 +110,27 @@ def run_daemon(config: MountConfig, notify: Notify) -> int:
     """Mount and serve until unmounted or signalled. Returns the exit status."""
     tune_malloc()
     lock = CacheDirLock(config.cache_dir)
-    db = open_database(config.cache_dir / "index.lmdb")
     try:
-        _check_block_size(db, config)
-        trio.run(_serve, config, db, notify)
+        namespace_db, index_db = _open_databases(config)
+        try:
+            _check_block_size(index_db, config)
+            trio.run(_serve, config, namespace_db, index_db, notify)
+        finally:
+            namespace_db.close()
+            index_db.close()
     finally:
-        db.close()
         lock.release()
     return 0
 
 
-def _check_block_size(db: Database, config: MountConfig) -> None:
+def _open_databases(config: MountConfig) -> tuple[NamespaceDb, IndexDb]:
+    try:
+        return open_cache_databases(config.cache_dir)
+    except lmdb.Error as exc:
+        raise CachefsError(f"cannot open the LMDB databases in cache dir {config.cache_dir}: {exc}") from None
+
+
+def _check_block_size(db: IndexDb, config: MountConfig) -> None:
     stored = get_meta(db, "block_size")
     if stored is None:
         put_meta(db, "block_size", str(config.block_size_bytes))
@@ -130,7 +141,7 @@ def _check_block_size(db: Database, config: MountConfig) -> None:
         )
 
 
-async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
+async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: IndexDb, notify: Notify) -> None:
     stats = Stats()
     client = HubClient(
         config.hub_url,
@@ -140,10 +151,10 @@ async def _serve(config: MountConfig, db: Database, notify: Notify) -> None:
         token=config.token,
         ssl_context=_ssl_context(config),
     )
-    namespace = Namespace(db)
-    snapshots = Snapshots(config, client, db, namespace)
+    namespace = Namespace(namespace_db)
+    snapshots = Snapshots(config, client, namespace_db, namespace)
     await snapshots.load_at_mount()
-    cache = BlockCache(db, config.cache_dir, config.cache_size_bytes, config.block_size_bytes, stats)
+    cache = BlockCache(index_db, config.cache_dir, config.cache_size_bytes, config.block_size_bytes, stats)
     fetcher = Fetcher(
         client,
         cache,

@@ -1,87 +1,197 @@
-"""The LMDB environment in the cache dir: one file holding the namespace and the block index.
+"""The two LMDB environments in the cache dir: the namespace, and the block index.
 
-Named databases:
-  meta      settings and counters (generation, block size, used bytes, ...)
+They are apart because LMDB has one writer per environment: loading a large
+manifest holds the namespace's write lock for seconds (a million entries:
+tens of seconds), and caching fetched blocks must not wait for it. No
+transaction needs both.
+
+`namespace.lmdb`, named databases:
+  meta      generation, entries and file bytes of the snapshot loaded, hub URL
   inodes    inode number -> attributes (namespace.py)
   names     parent inode + name -> inode (namespace.py)
   dirents   parent inode + position -> inode + name (namespace.py)
+  loading   inode -> nothing: the entries of the manifest being loaded, emptied
+            before its transaction commits (namespace.py)
+
+`index.lmdb`, named databases:
+  meta      block size, index format, used bytes, block count, next sequence
   blocks    BlockKey -> length, insertion sequence, chunk checksums (cache/index.py)
   fifo      insertion sequence -> BlockKey, the eviction order (cache/index.py)
   pins      file id -> file size, files kept out of eviction (cache/block_cache.py)
   verified  file id + version -> boot id: every block of that file version was
             read back and matched its checksums during that boot (cache/index.py)
-  loading   inode -> nothing: the entries of the manifest being loaded, emptied
-            before its transaction commits (namespace.py)
 
-Transactions are synchronous and short; none is held across an await.
+Cache dirs of older versions hold the namespace in `index.lmdb` too; it is
+moved out once, by `open_cache_databases`. Transactions are synchronous and
+short (but for a manifest's load); none is held across an await.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import shutil
 from pathlib import Path
 
 import lmdb
+
+log = logging.getLogger(__name__)
 
 # The map is virtual address space, not disk: 1 TiB of it costs nothing and
 # holds index entries for far more blocks than any cache dir will have.
 MAP_SIZE_BYTES = 1 << 40
 
+NAMESPACE_DIR = "namespace.lmdb"
+INDEX_DIR = "index.lmdb"
+
+_NAMESPACE_TABLES = (b"inodes", b"names", b"dirents")
+_NAMESPACE_META = (b"generation", b"entries", b"file_bytes", b"hub_url")
+_MOVE_BATCH_ENTRIES = 20_000  # entries per transaction when moving an old namespace
+
 
 @dataclasses.dataclass(frozen=True)
-class Database:
-    """An open environment and its named databases."""
+class Environment:
+    """An open environment and its settings table."""
 
     env: lmdb.Environment
     meta: lmdb._Database
-    inodes: lmdb._Database
-    names: lmdb._Database
-    dirents: lmdb._Database
-    blocks: lmdb._Database
-    fifo: lmdb._Database
-    pins: lmdb._Database
-    verified: lmdb._Database
-    loading: lmdb._Database
 
     def close(self) -> None:
         self.env.sync(True)
         self.env.close()
 
 
-def open_database(path: Path) -> Database:
-    """Open (creating if needed) the environment at `path`.
+@dataclasses.dataclass(frozen=True)
+class NamespaceDb(Environment):
+    """The snapshot's entries (namespace.py)."""
 
-    metasync=False: each commit still fsyncs its data pages, but not the meta
-    page; a power loss may undo the last commit, never corrupt the database.
-    """
-    env = lmdb.open(
+    inodes: lmdb._Database
+    names: lmdb._Database
+    dirents: lmdb._Database
+    loading: lmdb._Database
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexDb(Environment):
+    """The block index (cache/)."""
+
+    blocks: lmdb._Database
+    fifo: lmdb._Database
+    pins: lmdb._Database
+    verified: lmdb._Database
+
+
+def _open_env(path: Path) -> lmdb.Environment:
+    """metasync=False: each commit still fsyncs its data pages, but not the meta
+    page; a power loss may undo the last commit, never corrupt the database."""
+    return lmdb.open(
         str(path),
         map_size=MAP_SIZE_BYTES,
         max_dbs=16,
         metasync=False,
-        readahead=False,  # random index lookups: OS readahead only wastes page cache
+        readahead=False,  # random lookups: OS readahead only wastes page cache
         max_readers=512,
     )
-    return Database(
+
+
+def open_namespace_db(path: Path) -> NamespaceDb:
+    """Open (creating if needed) the namespace environment at `path`."""
+    env = _open_env(path)
+    return NamespaceDb(
         env=env,
         meta=env.open_db(b"meta"),
         inodes=env.open_db(b"inodes"),
         names=env.open_db(b"names"),
         dirents=env.open_db(b"dirents"),
-        blocks=env.open_db(b"blocks"),
-        fifo=env.open_db(b"fifo"),
-        pins=env.open_db(b"pins"),
-        verified=env.open_db(b"verified"),
         loading=env.open_db(b"loading"),
     )
 
 
-def get_meta(db: Database, key: str, default: str | None = None) -> str | None:
+def open_index_db(path: Path) -> IndexDb:
+    """Open (creating if needed) the block index environment at `path`."""
+    env = _open_env(path)
+    return IndexDb(
+        env=env,
+        meta=env.open_db(b"meta"),
+        blocks=env.open_db(b"blocks"),
+        fifo=env.open_db(b"fifo"),
+        pins=env.open_db(b"pins"),
+        verified=env.open_db(b"verified"),
+    )
+
+
+def open_cache_databases(cache_dir: Path) -> tuple[NamespaceDb, IndexDb]:
+    """Both environments of a cache dir; an older cache dir's namespace is moved out of its index first."""
+    index = open_index_db(cache_dir / INDEX_DIR)
+    try:
+        if not (cache_dir / NAMESPACE_DIR).exists():
+            _move_old_namespace(index, cache_dir / NAMESPACE_DIR)
+        return open_namespace_db(cache_dir / NAMESPACE_DIR), index
+    except BaseException:
+        index.close()
+        raise
+
+
+def _move_old_namespace(index: IndexDb, destination: Path) -> None:
+    """Copy the namespace an older cachefs kept in the index environment to `destination`, then drop it there.
+
+    Built beside `destination` in transactions of a bounded size and renamed
+    into place once complete: an interrupted move starts again next time.
+    """
+    with index.env.begin() as txn:
+        present = {key for key, _ in txn.cursor()}
+    if b"inodes" not in present:
+        return
+    building = destination.with_name(destination.name + ".part")
+    shutil.rmtree(building, ignore_errors=True)
+    target = open_namespace_db(building)
+    try:
+        for name in _NAMESPACE_TABLES:
+            _copy_table(index.env, index.env.open_db(name, create=False), target.env, getattr(target, name.decode()))
+        with index.env.begin(db=index.meta) as source, target.env.begin(write=True, db=target.meta) as txn:
+            for key in _NAMESPACE_META:
+                value = source.get(key)
+                if value is not None:
+                    txn.put(key, value)
+    finally:
+        target.close()
+    building.rename(destination)
+    with index.env.begin(write=True) as txn:
+        for name in (*_NAMESPACE_TABLES, b"loading"):
+            if name in present:
+                txn.drop(index.env.open_db(name, txn=txn, create=False), delete=True)
+        for key in _NAMESPACE_META:
+            txn.delete(key, db=index.meta)
+    log.info("moved the namespace out of the block index into %s", destination)
+
+
+def _copy_table(source_env: lmdb.Environment, source: lmdb._Database,
+                target_env: lmdb.Environment, target: lmdb._Database) -> None:
+    """Copy every key of `source` into `target`, in sorted order, a batch per transaction."""
+    after: bytes | None = None
+    while True:
+        with source_env.begin(db=source) as txn:
+            cursor = txn.cursor()
+            found = cursor.set_range(after) if after is not None else cursor.first()
+            if found and after is not None and cursor.key() == after:
+                found = cursor.next()
+            batch = []
+            while found and len(batch) < _MOVE_BATCH_ENTRIES:
+                batch.append(cursor.item())
+                found = cursor.next()
+        if not batch:
+            return
+        with target_env.begin(write=True, db=target) as txn:
+            txn.cursor().putmulti(batch, append=True)
+        after = batch[-1][0]
+
+
+def get_meta(db: Environment, key: str, default: str | None = None) -> str | None:
     with db.env.begin(db=db.meta) as txn:
         value = txn.get(key.encode())
     return value.decode() if value is not None else default
 
 
-def put_meta(db: Database, key: str, value: str) -> None:
+def put_meta(db: Environment, key: str, value: str) -> None:
     with db.env.begin(db=db.meta, write=True) as txn:
         txn.put(key.encode(), value.encode())

@@ -20,7 +20,7 @@ from typing import Any
 import lmdb
 import xxhash
 
-from .db import Database
+from .db import NamespaceDb
 from .errors import HubProtocolError
 from .hub_client import parse_json
 
@@ -95,7 +95,7 @@ def _unpack_inode(ino: int, data: bytes) -> Inode:
 class Namespace:
     """Read-side lookups over the loaded snapshot."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: NamespaceDb) -> None:
         self._db = db
 
     def get(self, ino: int) -> Inode | None:
@@ -260,7 +260,7 @@ def inode_number(path: str) -> int:
 
 
 def load_manifest(
-    db: Database,
+    db: NamespaceDb,
     manifest_gz: Path,
     before_commit: Callable[[ManifestSummary, NamespaceChanges], None] | None = None,
 ) -> tuple[ManifestSummary, NamespaceChanges]:
@@ -296,7 +296,7 @@ def load_manifest(
     return summary, changes
 
 
-def _drop_old_names(txn: lmdb.Transaction, db: Database, changes: NamespaceChanges) -> None:
+def _drop_old_names(txn: lmdb.Transaction, db: NamespaceDb, changes: NamespaceChanges) -> None:
     """Remove the names (and inodes) of the old namespace that the manifest loaded has not
     (its entries are in `db.loading`; a name it has was overwritten with the same inode)."""
     cursor = txn.cursor(db=db.names)
@@ -318,7 +318,7 @@ def _check_header(header: dict[str, Any]) -> None:
         raise HubProtocolError("manifest header has no generation")
 
 
-def _write_entries(txn: lmdb.Transaction, db: Database, lines: Iterator[dict[str, Any]]) -> tuple[int, int, NamespaceChanges]:
+def _write_entries(txn: lmdb.Transaction, db: NamespaceDb, lines: Iterator[dict[str, Any]]) -> tuple[int, int, NamespaceChanges]:
     """Write every entry (and note it in `db.loading`); parents always come before children in a manifest.
 
     Into an empty namespace (the first load) nothing is listed as added: the

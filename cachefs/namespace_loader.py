@@ -6,8 +6,9 @@ heap, and keeps them for reuse after the commit: loading a manifest of
 for good (~200 bytes per entry). A child process opens the same LMDB
 environment (LMDB is multi-process safe: one writer at a time, readers see
 the commit atomically), runs `namespace.load_manifest` and exits, and that
-memory goes with it. The daemon's readers and writers carry on meanwhile
-(its writers wait for the write lock, as they did for a load in a thread).
+memory goes with it. The daemon carries on meanwhile: its namespace readers
+see the old snapshot until the commit, and the block index, in its own
+environment, takes fetched blocks without waiting for the load's write lock.
 
 What the load changed is written to an answer file inside the load's
 transaction, before its commit: a child that dies after committing (the
@@ -16,7 +17,7 @@ that dies before never leaves an answer for a generation the namespace
 shows. On stdout the child says "started" once it runs, then either "ok"
 or the error as JSON.
 
-    python -m cachefs.namespace_loader INDEX_DIR MANIFEST_GZ ANSWER_JSON
+    python -m cachefs.namespace_loader NAMESPACE_DIR MANIFEST_GZ ANSWER_JSON
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any
 import lmdb
 import trio
 
-from .db import open_database
+from .db import open_namespace_db
 from .errors import CachefsError, HubProtocolError
 from .namespace import ManifestSummary, NamespaceChanges, load_manifest
 
@@ -45,9 +46,9 @@ class ChildFailed(CachefsError):
 
 
 async def load_in_child(
-    index_dir: Path, manifest_gz: Path, stored_generation: Callable[[], str | None]
+    namespace_dir: Path, manifest_gz: Path, stored_generation: Callable[[], str | None]
 ) -> tuple[ManifestSummary, NamespaceChanges]:
-    """`load_manifest` on the environment at `index_dir`, in a child process.
+    """`load_manifest` on the environment at `namespace_dir`, in a child process.
 
     `stored_generation` reads the generation the namespace shows (the daemon's
     own environment). Raises HubProtocolError for a malformed manifest,
@@ -55,7 +56,7 @@ async def load_in_child(
     """
     answer_path = manifest_gz.with_name(manifest_gz.name + ".loaded.json")
     answer_path.unlink(missing_ok=True)
-    command = [sys.executable, "-m", __name__, str(index_dir), str(manifest_gz), str(answer_path)]
+    command = [sys.executable, "-m", __name__, str(namespace_dir), str(manifest_gz), str(answer_path)]
     try:
         result = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
     except OSError as exc:  # no such interpreter, not executable, ...
@@ -111,7 +112,7 @@ def _changes_from_json(data: dict[str, Any]) -> NamespaceChanges:
     )
 
 
-def _load(index_dir: Path, manifest_gz: Path, answer_path: Path) -> dict[str, Any]:
+def _load(namespace_dir: Path, manifest_gz: Path, answer_path: Path) -> dict[str, Any]:
     """The child's work: the load, its answer written before the commit. Returns what to print."""
 
     def write_answer(summary: ManifestSummary, changes: NamespaceChanges) -> None:
@@ -122,24 +123,24 @@ def _load(index_dir: Path, manifest_gz: Path, answer_path: Path) -> dict[str, An
 
     db = None
     try:
-        db = open_database(index_dir)
+        db = open_namespace_db(namespace_dir)
         load_manifest(db, manifest_gz, before_commit=write_answer)
     except HubProtocolError as exc:
         return {"error": str(exc), "kind": "protocol"}
     except (OSError, lmdb.Error) as exc:
-        return {"error": f"cannot load the hub's manifest into {index_dir.parent}: {exc}", "kind": "storage"}
+        return {"error": f"cannot load the hub's manifest into {namespace_dir.parent}: {exc}", "kind": "storage"}
     finally:
         if db is not None:
             try:
                 db.close()
             except (OSError, lmdb.Error) as exc:  # after the commit: the load stands
-                log.warning("closing the index after loading: %s", exc)
+                log.warning("closing the namespace after loading: %s", exc)
     return {"ok": True}
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
-        print("usage: python -m cachefs.namespace_loader INDEX_DIR MANIFEST_GZ ANSWER_JSON", file=sys.stderr)
+        print("usage: python -m cachefs.namespace_loader NAMESPACE_DIR MANIFEST_GZ ANSWER_JSON", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     print("started", flush=True)

@@ -23,7 +23,7 @@ import trio
 
 from .cache import BlockCache
 from .config import MountConfig
-from .db import Database, put_meta
+from .db import NamespaceDb, put_meta
 from .errors import CachefsError, HubError
 from .hub_client import HubClient, parse_json
 from .namespace import ManifestSummary, Namespace, NamespaceChanges, load_manifest
@@ -41,7 +41,7 @@ LOAD_IN_CHILD_MIN_BYTES = 1 << 20
 class Snapshots:
     """Loads manifests into the namespace and keeps the cache consistent with them."""
 
-    def __init__(self, config: MountConfig, client: HubClient, db: Database, namespace: Namespace) -> None:
+    def __init__(self, config: MountConfig, client: HubClient, db: NamespaceDb, namespace: Namespace) -> None:
         self._config = config
         self._client = client
         self._db = db

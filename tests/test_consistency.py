@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import json
 import os
@@ -12,6 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import lmdb
 import pytest
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE
@@ -144,6 +146,27 @@ def test_a_large_namespace_is_loaded_and_refreshed_in_a_child_process(tmp_path: 
         assert (spoke.mountpoint / "d00" / "sample-00000.jpg").read_bytes() == b"second version"
         loads = [line for line in spoke.log_text().splitlines() if "cachefs.namespace_loader INFO loaded manifest" in line]
     assert len(loads) == 2, loads  # the mount's and the refresh's
+
+
+def test_reads_that_fetch_and_cache_do_not_wait_for_a_namespace_load(tmp_path: Path) -> None:
+    """A manifest's load holds the namespace's LMDB write lock for its whole transaction
+    (tens of seconds at a million entries): meanwhile uncached reads are fetched and cached."""
+    source = os.urandom(48 << 20)  # three times the fetched bytes that may wait for the cache's writer
+    (tmp_path / "hub-data").mkdir()
+    (tmp_path / "hub-data" / "big.bin").write_bytes(source)
+    with running_hub(tmp_path / "hub-data") as hub, mounted_spoke(hub.url, tmp_path, SPOKE_ARGS) as spoke:
+        env = lmdb.open(str(spoke.cache_dir / "namespace.lmdb"), max_dbs=16)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool, env.begin(write=True):  # what a load holds
+                reading = pool.submit(read_uncached, spoke.mountpoint / "big.bin")
+                try:
+                    read = reading.result(timeout=30)
+                except concurrent.futures.TimeoutError:
+                    pytest.fail("the read waited for the namespace's write lock")
+                assert read == source
+                wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == len(source))
+        finally:
+            env.close()
 
 
 def test_a_handle_opened_before_a_refresh_never_feeds_its_bytes_to_newer_opens(dataset: Path, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import os
 import random
+import shutil
 import stat
 import threading
 import time
@@ -198,6 +199,49 @@ def test_remount_with_hub_stopped_serves_cached_blocks(dataset: Path, tmp_path: 
             read_uncached(spoke.mountpoint / "shards" / "shard-004.bin")
         assert failure.value.errno == errno.EIO
         assert "offline" in spoke.log_text()
+
+
+def test_a_cache_dir_with_the_namespace_in_its_block_index_is_moved_and_mounts_offline(
+    dataset: Path, tmp_path: Path
+) -> None:
+    """Older versions kept the namespace in index.lmdb: it is moved out once, nothing is lost
+    (the mount comes up offline on it, with its cached blocks)."""
+    cache_dir = tmp_path / "cache"
+    relative = "shards/shard-000.bin"
+    with running_hub(dataset) as hub:
+        with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS, cache_dir=cache_dir) as spoke:
+            assert (spoke.mountpoint / relative).read_bytes() == (dataset / relative).read_bytes()
+            wait_for_stats(spoke, lambda stats: stats["cached_bytes"] > 0)
+            listing = sorted(os.listdir(spoke.mountpoint / "small"))
+        url = hub.url
+    move_namespace_into_index(cache_dir)  # the layout an older cachefs left
+    with mounted_spoke(url, tmp_path, (*SPOKE_ARGS, "--fetch-timeout", "1"), cache_dir=cache_dir) as spoke:
+        assert sorted(os.listdir(spoke.mountpoint / "small")) == listing
+        assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
+        assert spoke.stats()["fetches"] == 0
+        assert "moved the namespace out of the block index" in spoke.log_text()
+    env = lmdb.open(str(cache_dir / "index.lmdb"), max_dbs=16)
+    with env.begin() as txn:
+        tables = {key for key, _ in txn.cursor()}
+        generation = txn.get(b"generation", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    assert tables == {b"meta", b"blocks", b"fifo", b"pins", b"verified"} and generation is None
+
+
+def move_namespace_into_index(cache_dir: Path) -> None:
+    """Put the namespace's tables and settings into index.lmdb, and remove namespace.lmdb."""
+    namespace = lmdb.open(str(cache_dir / "namespace.lmdb"), max_dbs=16)
+    index = lmdb.open(str(cache_dir / "index.lmdb"), max_dbs=16, map_size=1 << 40)
+    with namespace.begin() as source, index.begin(write=True) as target:
+        for table in (b"inodes", b"names", b"dirents", b"loading"):
+            items = list(source.cursor(db=namespace.open_db(table, txn=source)))
+            target.cursor(db=index.open_db(table, txn=target)).putmulti(items)
+        meta = list(source.cursor(db=namespace.open_db(b"meta", txn=source)))
+        assert {key for key, _ in meta} >= {b"generation", b"entries", b"file_bytes"}
+        target.cursor(db=index.open_db(b"meta", txn=target)).putmulti(meta)
+    namespace.close()
+    index.close()
+    shutil.rmtree(cache_dir / "namespace.lmdb")
 
 
 def test_changes_are_refused_with_erofs(spoke: SpokeMount) -> None:

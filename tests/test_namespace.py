@@ -14,7 +14,7 @@ import pytest
 import trio
 import xxhash
 
-from cachefs.db import Database, open_database
+from cachefs.db import NamespaceDb, open_namespace_db
 from cachefs.errors import CachefsError, HubProtocolError
 from cachefs.namespace import ROOT_INODE, ManifestSummary, Namespace, NamespaceChanges, inode_number, load_manifest
 from cachefs.namespace_loader import ChildFailed, load_in_child
@@ -23,8 +23,8 @@ HEADER = {"format": "cachefs-manifest", "format_version": 1}
 
 
 @pytest.fixture
-def db(tmp_path: Path) -> Iterator[Database]:
-    opened = open_database(tmp_path / "index.lmdb")
+def db(tmp_path: Path) -> Iterator[NamespaceDb]:
+    opened = open_namespace_db(tmp_path / "namespace.lmdb")
     try:
         yield opened
     finally:
@@ -62,7 +62,7 @@ def names(namespace: Namespace, path: str) -> list[str]:
     return [os.fsdecode(name) for _pos, name, _inode in namespace.readdir(directory.ino, 0)]
 
 
-def test_a_new_generation_lists_what_it_added_changed_and_removed(db: Database, tmp_path: Path) -> None:
+def test_a_new_generation_lists_what_it_added_changed_and_removed(db: NamespaceDb, tmp_path: Path) -> None:
     old = [dir_entry(""), dir_entry("a"), dir_entry("a/sub"), file_entry("a/sub/gone.bin", 5), file_entry("a/keep.bin", 5),
            file_entry("a/grows.bin", 5), file_entry("becomes-dir", 5), file_entry("z.bin", 5)]
     _summary, first = load_manifest(db, write_manifest(tmp_path / "1.gz", "g1", old))
@@ -87,7 +87,7 @@ def test_a_new_generation_lists_what_it_added_changed_and_removed(db: Database, 
     assert grown is not None and grown.size == 6
 
 
-def test_a_broken_manifest_leaves_the_namespace_as_it_was(db: Database, tmp_path: Path) -> None:
+def test_a_broken_manifest_leaves_the_namespace_as_it_was(db: NamespaceDb, tmp_path: Path) -> None:
     load_manifest(db, write_manifest(tmp_path / "1.gz", "g1", tree(2, 3)))
     broken = [dir_entry(""), file_entry("d0000/f00000.jpg", 1)]  # before its directory
     with pytest.raises(HubProtocolError, match="comes before its directory"):
@@ -104,7 +104,7 @@ def test_a_broken_manifest_leaves_the_namespace_as_it_was(db: Database, tmp_path
     assert names(namespace, "d0001") == ["f00000.jpg", "f00001.jpg", "f00002.jpg"]
 
 
-def test_the_top_level_directory_of_a_file(db: Database, tmp_path: Path) -> None:
+def test_the_top_level_directory_of_a_file(db: NamespaceDb, tmp_path: Path) -> None:
     entries = [dir_entry(""), file_entry("top.bin", 1), dir_entry("train"), dir_entry("train/n01"),
                file_entry("train/n01/x.jpg", 1), file_entry("train/n01/y.jpg", 1), dir_entry("val"), file_entry("val/z.jpg", 1)]
     load_manifest(db, write_manifest(tmp_path / "1.gz", "g1", entries))
@@ -128,7 +128,7 @@ def peak_python_bytes(load: Callable[[], object]) -> int:
         tracemalloc.stop()
 
 
-def test_loading_and_refreshing_do_not_copy_the_namespace_into_memory(db: Database, tmp_path: Path) -> None:
+def test_loading_and_refreshing_do_not_copy_the_namespace_into_memory(db: NamespaceDb, tmp_path: Path) -> None:
     """A refresh compares the new manifest with the old namespace in LMDB, and the first load
     lists nothing: the daemon's memory does not grow with the entries (before: ~290 bytes
     each for a refresh, ~400 MiB for ImageNet's 1.28 M files, and ~200 for the first load)."""
@@ -150,7 +150,7 @@ def test_loading_and_refreshing_do_not_copy_the_namespace_into_memory(db: Databa
     assert Namespace(db).resolve(f"d{directories - 1:04d}") is None
 
 
-def shown_generation(db: Database) -> Callable[[], str | None]:
+def shown_generation(db: NamespaceDb) -> Callable[[], str | None]:
     def generation() -> str | None:
         summary = Namespace(db).summary()
         return summary.generation if summary is not None else None
@@ -158,11 +158,11 @@ def shown_generation(db: Database) -> Callable[[], str | None]:
     return generation
 
 
-def load_via_child(db: Database, manifest_gz: Path) -> tuple[ManifestSummary, NamespaceChanges]:
+def load_via_child(db: NamespaceDb, manifest_gz: Path) -> tuple[ManifestSummary, NamespaceChanges]:
     return trio.run(load_in_child, Path(db.env.path()), manifest_gz, shown_generation(db))
 
 
-def test_a_child_process_loads_the_manifest_beside_an_open_environment(db: Database, tmp_path: Path) -> None:
+def test_a_child_process_loads_the_manifest_beside_an_open_environment(db: NamespaceDb, tmp_path: Path) -> None:
     """The daemon loads manifests in a child process (the memory LMDB keeps after a large write
     leaves with it); its open environment sees the commit, names that are not UTF-8 included."""
     old = [dir_entry(""), file_entry("keep.bin", 1), file_entry("gone.bin", 1)]
@@ -181,7 +181,7 @@ def test_a_child_process_loads_the_manifest_beside_an_open_environment(db: Datab
     with pytest.raises(CachefsError, match="cannot load the hub's manifest"):
         load_via_child(db, tmp_path / "missing.gz")
     assert Namespace(db).summary() == ManifestSummary("g2", 3, 3)
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["1.gz", "2.gz", "3.gz", "index.lmdb"]  # no answer left
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["1.gz", "2.gz", "3.gz", "namespace.lmdb"]  # no answer left
 
 
 def fake_interpreter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str) -> None:
@@ -193,7 +193,7 @@ def fake_interpreter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: st
 
 
 def test_a_loader_that_dies_after_committing_still_reports_the_changes(
-    db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    db: NamespaceDb, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The answer is written inside the transaction: a child killed after its commit (the OOM
     killer) leaves the changes for the kernel's invalidations (before: none were reported)."""
@@ -212,7 +212,7 @@ def test_a_loader_that_dies_after_committing_still_reports_the_changes(
     ],
 )
 def test_a_loader_that_fails_says_so(
-    db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str, error: type[Exception], message: str
+    db: NamespaceDb, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str, error: type[Exception], message: str
 ) -> None:
     """ChildFailed (the daemon then loads the manifest itself) only when the loader never ran."""
     fake_interpreter(tmp_path, monkeypatch, script)
@@ -222,7 +222,7 @@ def test_a_loader_that_fails_says_so(
     assert Namespace(db).summary() is None
 
 
-def test_a_loader_that_cannot_start_says_so(db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_loader_that_cannot_start_says_so(db: NamespaceDb, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
     with pytest.raises(ChildFailed, match="cannot run"):
         load_via_child(db, write_manifest(tmp_path / "1.gz", "g1", [dir_entry("")]))

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..cache import BlockCache, BlockKey
-from ..db import open_database
+from ..db import open_index_db
 from ..metrics import Stats
 from .plan_bench import lru_hits
 
@@ -42,7 +42,7 @@ def shuffled(total_blocks: int, epochs: int, seed: int) -> Iterator[list[int]]:
 def replay_cachefs(epochs: list[list[int]], cache_blocks: int) -> list[float]:
     """Hit ratio per epoch of the real BlockCache."""
     with tempfile.TemporaryDirectory(prefix="cachefs-policy-") as workdir:
-        db = open_database(Path(workdir) / "index.lmdb")
+        db = open_index_db(Path(workdir) / "index.lmdb")
         cache = BlockCache(db, Path(workdir), cache_blocks * BLOCK_BYTES, BLOCK_BYTES, Stats())
         payload = bytes(BLOCK_BYTES)
         ratios = []

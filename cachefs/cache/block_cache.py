@@ -15,7 +15,7 @@ from pathlib import Path
 import lmdb
 import xxhash
 
-from ..db import Database, get_meta, put_meta
+from ..db import IndexDb, get_meta, put_meta
 from ..errors import CachefsError
 from ..metrics import Stats
 from .index import BlockIndex, IndexEntry
@@ -84,7 +84,7 @@ class BlockCache:
     block whose next planned use is furthest away goes (plan_admission.py).
     """
 
-    def __init__(self, db: Database, cache_dir: Path, capacity_bytes: int, block_size: int, stats: Stats) -> None:
+    def __init__(self, db: IndexDb, cache_dir: Path, capacity_bytes: int, block_size: int, stats: Stats) -> None:
         self._db = db
         self.index = BlockIndex(db)
         self.store = BlockStore(cache_dir, block_size)

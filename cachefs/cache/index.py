@@ -7,7 +7,7 @@ import dataclasses
 import struct
 from collections.abc import Iterable, Iterator
 
-from ..db import Database
+from ..db import IndexDb
 from .keys import BlockKey
 
 # An entry: length and insertion sequence, then one xxh3_64 per chunk of the
@@ -38,7 +38,7 @@ class IndexEntry:
 class BlockIndex:
     """Index operations; each call is one short LMDB transaction."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: IndexDb) -> None:
         self._db = db
 
     def get(self, key: BlockKey) -> IndexEntry | None:
@@ -169,15 +169,15 @@ class BlockIndex:
         _bump(txn, self._db, _COUNT, -1)
 
 
-def _has_seq(txn: object, db: Database, key: BlockKey, seq: int) -> bool:
+def _has_seq(txn: object, db: IndexDb, key: BlockKey, seq: int) -> bool:
     value = txn.get(key.packed(), db=db.blocks)  # type: ignore[attr-defined]
     return value is not None and IndexEntry.unpack(value).seq == seq
 
 
-def _counter(txn: object, db: Database, name: bytes) -> int:
+def _counter(txn: object, db: IndexDb, name: bytes) -> int:
     value = txn.get(name, db=db.meta)  # type: ignore[attr-defined]
     return _SEQ.unpack(value)[0] if value is not None else 0
 
 
-def _bump(txn: object, db: Database, name: bytes, delta: int) -> None:
+def _bump(txn: object, db: IndexDb, name: bytes, delta: int) -> None:
     txn.put(name, _SEQ.pack(max(0, _counter(txn, db, name) + delta)), db=db.meta)  # type: ignore[attr-defined]
