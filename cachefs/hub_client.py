@@ -13,7 +13,7 @@ import logging
 import re
 import ssl
 import zlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import h11
@@ -29,6 +29,10 @@ RECEIVE_BYTES = 1 << 20  # receive up to 1 MiB per syscall: fewer wakeups per bl
 # A response head is read in small receives, so that little of the body
 # lands in h11's buffer (bodies of ranges bypass it).
 RECEIVE_HEAD_BYTES = 16 * 1024
+# A manifest entry is a path (PATH_MAX is 4 KiB, JSON may escape a byte in 6)
+# and, for a symlink, its target: a longer line is not a manifest.
+MAX_MANIFEST_LINE_BYTES = 1 << 20
+INFLATE_PIECE_BYTES = 256 << 10
 _CONTENT_RANGE_RE = re.compile(rb"^bytes (\d+)-(\d+)/(\d+)$")
 SUMS_HEADER = b"cachefs-block-sums"  # see hubserver/checksums.py
 BATCH_SUMS_HEADER = b"cachefs-batch-sums"  # see hubserver/batch.py
@@ -291,15 +295,14 @@ class HubClient:
             inflater = zlib.decompressobj(wbits=31) if gzipped else None
             pending = b""
             async for chunk in self._body(conn):
-                try:
-                    text = inflater.decompress(chunk) if inflater else chunk
-                except zlib.error as exc:
-                    raise HubProtocolError(f"corrupt manifest stream: {exc}") from None
-                pending += text
-                *lines, pending = pending.split(b"\n")
-                for line in lines:
-                    if line:
-                        yield line
+                for text in _inflated(inflater, chunk) if inflater else (chunk,):
+                    pending += text
+                    *lines, pending = pending.split(b"\n")
+                    for line in lines:
+                        if line:
+                            yield line
+                    if len(pending) > MAX_MANIFEST_LINE_BYTES:
+                        raise HubProtocolError(f"manifest line longer than {MAX_MANIFEST_LINE_BYTES} bytes")
             if inflater is not None and not inflater.eof:
                 raise HubProtocolError("manifest stream ended early")
             if pending.strip():
@@ -388,6 +391,20 @@ class HubClient:
         except (ValueError, AttributeError):
             message = body[:200].decode("utf-8", "replace")
         raise HubStatusError(response.status, f"hub answered {response.status}: {message}".rstrip(": "))
+
+
+def _inflated(inflater: Any, data: bytes) -> Iterator[bytes]:
+    """Gunzip `data` in pieces of at most INFLATE_PIECE_BYTES (a gzip bomb inflates 1000:1)."""
+    while True:
+        try:
+            text = inflater.decompress(data, INFLATE_PIECE_BYTES)
+        except zlib.error as exc:
+            raise HubProtocolError(f"corrupt manifest stream: {exc}") from None
+        if text:
+            yield text
+        data = inflater.unconsumed_tail
+        if not data and len(text) < INFLATE_PIECE_BYTES:
+            return
 
 
 class _RequestContext:

@@ -24,7 +24,7 @@ import trio
 from .cache import BlockCache
 from .config import MountConfig
 from .db import NamespaceDb, put_meta
-from .errors import CachefsError, HubError
+from .errors import CachefsError, HubError, HubUnavailable
 from .hub_client import HubClient, parse_json
 from .namespace import ManifestSummary, Namespace, NamespaceChanges, load_manifest
 from .namespace_loader import ChildFailed, load_in_child
@@ -36,6 +36,11 @@ Invalidate = Callable[[NamespaceChanges], Awaitable[None]]
 # A manifest this large (gzipped; ~30 bytes an entry, so ~35,000 entries) is
 # loaded in a child process: LMDB would keep ~200 bytes an entry in the daemon.
 LOAD_IN_CHILD_MIN_BYTES = 1 << 20
+# The manifest's download may last 60 s, plus 1 s per 100 kB of manifest text
+# received (~25 kB/s gzipped on the wire, ~200 kbit/s): an ImageNet-sized one
+# (~150 MB of text) over a slow link arrives, a hub that trickles is given up.
+MANIFEST_GRACE_S = 60.0
+MANIFEST_MIN_BYTES_PER_S = 100_000
 
 
 class Snapshots:
@@ -118,8 +123,7 @@ class Snapshots:
         Raises CachefsError (after removing what was written) if it cannot be stored."""
         try:
             self._manifest_path.parent.mkdir(mode=0o700, exist_ok=True)
-            with trio.fail_after(max(self._config.fetch_timeout_s, 60.0)):
-                return await _download_manifest(self._client, self._manifest_path, known_generation)
+            return await download_manifest(self._client, self._manifest_path, known_generation)
         except OSError as exc:
             self._manifest_path.unlink(missing_ok=True)
             raise CachefsError(f"cannot store the hub's manifest in {self._manifest_path.parent}: "
@@ -151,20 +155,41 @@ class Snapshots:
             raise
 
 
-async def _download_manifest(client: HubClient, path: Path, known_generation: str | None) -> str | None:
-    lines = client.manifest_lines()
-    try:
-        first_line = await lines.__anext__()
-        header = parse_json(first_line)
-        if header.get("generation") == known_generation:
-            log.info("manifest generation %s is already loaded", known_generation)
-            return None
-        with gzip.open(path, "wb", compresslevel=1) as out:
-            out.write(first_line + b"\n")
-            async for line in lines:
-                out.write(line + b"\n")
-    except StopAsyncIteration:
-        raise HubError("the hub sent an empty manifest") from None
-    finally:
-        await lines.aclose()
-    return str(header.get("generation"))
+async def download_manifest(
+    client: HubClient,
+    path: Path,
+    known_generation: str | None,
+    grace_s: float = MANIFEST_GRACE_S,
+    min_bytes_per_s: float = MANIFEST_MIN_BYTES_PER_S,
+) -> str | None:
+    """Save the hub's manifest gzipped at `path`; None (nothing saved) if its generation is `known_generation`.
+
+    It may take as long as it keeps coming: `grace_s`, plus 1 s per
+    `min_bytes_per_s` of manifest text received (and the client's read
+    timeout when nothing arrives). Raises HubUnavailable when it falls behind.
+    """
+    started = trio.current_time()
+    received = 0
+    with trio.CancelScope(deadline=started + grace_s) as scope:
+        lines = client.manifest_lines()
+        try:
+            first_line = await lines.__anext__()
+            header = parse_json(first_line)
+            if header.get("generation") == known_generation:
+                log.info("manifest generation %s is already loaded", known_generation)
+                return None
+            with gzip.open(path, "wb", compresslevel=1) as out:
+                out.write(first_line + b"\n")
+                async for line in lines:
+                    out.write(line + b"\n")
+                    received += len(line) + 1
+                    scope.deadline = started + grace_s + received / min_bytes_per_s
+        except StopAsyncIteration:
+            raise HubError("the hub sent an empty manifest") from None
+        finally:
+            await lines.aclose()
+        return str(header.get("generation"))
+    raise HubUnavailable(
+        f"the hub's manifest came too slowly: {received} bytes in {trio.current_time() - started:.0f} s "
+        f"(after the first {grace_s:.0f} s it must average {min_bytes_per_s / 1000:.0f} kB/s)"
+    )

@@ -1,0 +1,141 @@
+"""The spoke's HTTP client and manifest download against a hub that misbehaves (a raw server
+in the test: answers no real hub gives): bounded memory and time, a clear error."""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import tracemalloc
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+import trio
+
+from cachefs.config import parse_hub_url
+from cachefs.errors import HubError, HubProtocolError
+from cachefs.hub_client import HubClient
+from cachefs.snapshots import download_manifest
+
+HEADER_LINE = json.dumps({"format": "cachefs-manifest", "format_version": 1, "generation": "g1"}).encode()
+Body = Callable[[trio.SocketStream], Awaitable[None]]
+
+
+async def _answer(stream: trio.SocketStream, head: bytes, body: Body) -> None:
+    request = b""
+    while b"\r\n\r\n" not in request:
+        data = await stream.receive_some(4096)
+        if not data:
+            return
+        request += data
+    await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n" + head + b"\r\n")
+    await body(stream)
+
+
+@pytest.fixture
+async def raw_hub(nursery: trio.Nursery) -> AsyncIterator[Callable[[bytes, Body], str]]:
+    """Serve every request with the response head fields and body writer given; returns the URL."""
+    answer: list[tuple[bytes, Body]] = []
+
+    async def handler(stream: trio.SocketStream) -> None:
+        async with stream:
+            try:
+                await _answer(stream, *answer[-1])
+            except trio.BrokenResourceError:  # the client gave up on the answer
+                pass
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+
+    def serve(head: bytes, body: Body) -> str:
+        answer.append((head, body))
+        return f"http://127.0.0.1:{port}"
+
+    yield serve
+
+
+def client_for(url: str) -> HubClient:
+    return HubClient(parse_hub_url(url), max_connections=2, connect_timeout_s=5, read_timeout_s=5)
+
+
+def sender(data: bytes) -> Body:
+    async def send(stream: trio.SocketStream) -> None:
+        await stream.send_all(data)
+
+    return send
+
+
+@pytest.mark.trio
+async def test_a_gzip_bomb_without_line_breaks_is_refused_in_bounded_memory(raw_hub) -> None:
+    bomb = gzip.compress(HEADER_LINE + b"\n" + b"\0" * (256 << 20), compresslevel=9)  # 256 MiB in ~250 KiB
+    url = raw_hub(b"Content-Encoding: gzip\r\nContent-Length: %d\r\n" % len(bomb), sender(bomb))
+    client = client_for(url)
+    tracemalloc.start()
+    try:
+        lines = []
+        with pytest.raises(HubProtocolError, match="manifest line longer than"):
+            async for line in client.manifest_lines():
+                lines.append(line)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        await client.aclose()
+    assert lines == [HEADER_LINE]
+    assert peak < 16 << 20, f"{peak / 2**20:.0f} MiB"
+
+
+@pytest.mark.trio
+async def test_a_gzip_bomb_of_empty_lines_is_inflated_in_bounded_pieces(raw_hub) -> None:
+    compressor = zlib.compressobj(9, zlib.DEFLATED, 31)
+    bomb = compressor.compress(HEADER_LINE + b"\n" + b"\n" * (32 << 20)) + compressor.flush()
+    url = raw_hub(b"Content-Encoding: gzip\r\nContent-Length: %d\r\n" % len(bomb), sender(bomb))
+    client = client_for(url)
+    tracemalloc.start()
+    try:
+        lines = [line async for line in client.manifest_lines()]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        await client.aclose()
+    assert lines == [HEADER_LINE]
+    assert peak < 16 << 20, f"{peak / 2**20:.0f} MiB"
+
+
+def trickle(line_bytes: int, interval_s: float, lines: int) -> Body:
+    """A chunked manifest: the header, then `lines` lines of `line_bytes`, one every `interval_s`."""
+
+    async def send(stream: trio.SocketStream) -> None:
+        def chunk(data: bytes) -> bytes:
+            return b"%x\r\n%s\r\n" % (len(data), data)
+
+        await stream.send_all(chunk(HEADER_LINE + b"\n"))
+        entry = json.dumps({"p": "x" * (line_bytes - 30), "k": "d", "m": 493, "t": 0}).encode()[: line_bytes - 1]
+        for _ in range(lines):
+            await trio.sleep(interval_s)
+            await stream.send_all(chunk(entry + b"\n"))
+        await stream.send_all(b"0\r\n\r\n")
+
+    return send
+
+
+@pytest.mark.trio
+async def test_a_manifest_download_lasts_as_long_as_it_keeps_coming(raw_hub, tmp_path: Path) -> None:
+    """Past its first `grace_s`, the download needs `min_bytes_per_s` on average: a large manifest
+    over a slow link arrives whole, one that trickles is cut off."""
+    chunked = b"Transfer-Encoding: chunked\r\n"
+    url = raw_hub(chunked, trickle(line_bytes=1000, interval_s=0.1, lines=25))  # 10 kB/s for 2.5 s
+    client = client_for(url)
+    try:
+        generation = await download_manifest(client, tmp_path / "m.gz", None, grace_s=0.5, min_bytes_per_s=5000)
+        assert generation == "g1"
+        with gzip.open(tmp_path / "m.gz") as stream:
+            assert len(stream.read().splitlines()) == 26
+        raw_hub(chunked, trickle(line_bytes=1000, interval_s=0.5, lines=100))  # 2 kB/s
+        started = trio.current_time()
+        with pytest.raises(HubError, match="manifest came too slowly"):
+            await download_manifest(client, tmp_path / "m.gz", None, grace_s=0.5, min_bytes_per_s=5000)
+        assert trio.current_time() - started < 3
+    finally:
+        await client.aclose()
