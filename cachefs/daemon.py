@@ -35,7 +35,7 @@ from .fs import CachefsOperations
 from .hub_client import HubClient
 from .metrics import Stats, serve_metrics, training_gauges
 from .mountpoints import find_mount
-from .namespace import Namespace, NamespaceChanges
+from .namespace import Changes, Namespace
 from .passthrough import Passthrough
 from .planner import Planner
 from .readahead import ReadAhead
@@ -299,7 +299,7 @@ async def _terminate_on_signal() -> None:
             return
 
 
-async def _invalidate_kernel_caches(changes: NamespaceChanges) -> None:
+async def _invalidate_kernel_caches(changes: Changes) -> None:
     """Make the kernel forget attributes, names and pages of what a new generation changed."""
 
     def invalidate() -> None:

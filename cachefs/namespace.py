@@ -15,7 +15,7 @@ import os
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import lmdb
 import xxhash
@@ -237,15 +237,44 @@ class Namespace:
         return ManifestSummary(generation.decode(), entries, file_bytes)
 
 
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+class Listing(Protocol[_T_co]):
+    """A list, or records read one at a time from a file (namespace_loader.ChangesFile)."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[_T_co]: ...
+
+
+class Changes(Protocol):
+    """What a new generation changed, for the kernel's caches to be told; `discard` once told."""
+
+    @property
+    def changed(self) -> Listing[int]: ...  # inodes whose attributes or content changed
+
+    @property
+    def removed(self) -> Listing[tuple[int, bytes, int]]: ...  # (parent, name, inode)
+
+    @property
+    def added(self) -> Listing[tuple[int, bytes]]: ...  # (parent, name), see NamespaceChanges
+
+    def discard(self) -> None: ...
+
+
 @dataclasses.dataclass
 class NamespaceChanges:
-    """What a new generation changed, for the kernel's caches to be told."""
+    """What a new generation changed (Changes), as lists in memory."""
 
     changed: list[int] = dataclasses.field(default_factory=list)  # inodes whose attributes or content changed
     removed: list[tuple[int, bytes, int]] = dataclasses.field(default_factory=list)  # (parent, name, inode)
     # (parent, name) of new paths (the kernel may hold a negative entry for them) and
     # of paths whose kind changed (a file became a directory: a new kernel inode)
     added: list[tuple[int, bytes]] = dataclasses.field(default_factory=list)
+
+    def discard(self) -> None:
+        """Nothing to remove: the lists go with the object."""
 
 
 def inode_number(path: str) -> int:

@@ -26,12 +26,12 @@ from .config import MountConfig
 from .db import NamespaceDb, put_meta
 from .errors import CachefsError, HubError, HubUnavailable
 from .hub_client import HubClient, parse_json
-from .namespace import ManifestSummary, Namespace, NamespaceChanges, load_manifest
+from .namespace import Changes, ManifestSummary, Namespace, load_manifest
 from .namespace_loader import ChildFailed, load_in_child
 
 log = logging.getLogger(__name__)
 
-Invalidate = Callable[[NamespaceChanges], Awaitable[None]]
+Invalidate = Callable[[Changes], Awaitable[None]]
 
 # A manifest this large (gzipped; ~30 bytes an entry, so ~35,000 entries) is
 # loaded in a child process: LMDB would keep ~200 bytes an entry in the daemon.
@@ -69,7 +69,8 @@ class Snapshots:
                         self._config.hub_url, reason, stored.generation)
             return
         if generation is not None:
-            await self._load()
+            _summary, changes = await self._load()
+            changes.discard()  # the kernel knows nothing of this mount yet
             put_meta(self._db, "hub_url", str(self._config.hub_url))
         self._manifest_path.unlink(missing_ok=True)
 
@@ -86,9 +87,12 @@ class Snapshots:
             if generation is None:
                 return {"generation": old.generation if old else None, "changed": False}
             summary, changes = await self._load()
-            moved(summary.generation)
-            self._manifest_path.unlink(missing_ok=True)
-            await invalidate(changes)
+            try:
+                moved(summary.generation)
+                self._manifest_path.unlink(missing_ok=True)
+                await invalidate(changes)
+            finally:
+                changes.discard()
             dropped = await trio.to_thread.run_sync(cache.drop_stale, self._namespace.file_version)
             log.info("moved from generation %s to %s: %d entries changed, %d removed, %d cached blocks dropped",
                      old.generation if old else None, summary.generation, len(changes.changed), len(changes.removed), dropped)
@@ -133,7 +137,7 @@ class Snapshots:
         summary = self._namespace.summary()
         return summary.generation if summary is not None else None
 
-    async def _load(self) -> tuple[ManifestSummary, NamespaceChanges]:
+    async def _load(self) -> tuple[ManifestSummary, Changes]:
         """Load the downloaded manifest into the namespace (one transaction: all or nothing).
 
         A large manifest is loaded in a child process, so that the memory the

@@ -159,7 +159,38 @@ def shown_generation(db: NamespaceDb) -> Callable[[], str | None]:
 
 
 def load_via_child(db: NamespaceDb, manifest_gz: Path) -> tuple[ManifestSummary, NamespaceChanges]:
-    return trio.run(load_in_child, Path(db.env.path()), manifest_gz, shown_generation(db))
+    """The child's load, its changes read into lists (and their file removed)."""
+    summary, changes = trio.run(load_in_child, Path(db.env.path()), manifest_gz, shown_generation(db))
+    try:
+        return summary, NamespaceChanges(list(changes.changed), list(changes.removed), list(changes.added))
+    finally:
+        changes.discard()
+
+
+def test_the_changes_of_a_child_s_load_are_read_one_at_a_time(db: NamespaceDb, tmp_path: Path) -> None:
+    """A refresh that renames every directory removes every name: the daemon reads the child's
+    list of changes a record at a time (before: all at once, from JSON, ~250 bytes a name)."""
+
+    def renamed_tree(prefix: str) -> Iterator[dict[str, object]]:
+        yield dir_entry("")
+        for d in range(100):
+            yield dir_entry(f"{prefix}{d:03d}")
+            for f in range(400):
+                yield file_entry(f"{prefix}{d:03d}/f{f:05d}.jpg", 1000)
+
+    load_via_child(db, write_manifest(tmp_path / "1.gz", "g1", renamed_tree("a")))
+    manifest = write_manifest(tmp_path / "2.gz", "g2", renamed_tree("b"))
+    tracemalloc.start()
+    try:
+        summary, changes = trio.run(load_in_child, Path(db.env.path()), manifest, shown_generation(db))
+        removed = sum(1 for _ in changes.removed)
+        added = sum(1 for _ in changes.added)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    changes.discard()
+    assert (summary.entries, len(changes.removed), removed, len(changes.added), added) == (40_101, 40_100, 40_100, 40_100, 40_100)
+    assert peak < 2 << 20, f"{peak / 2**20:.1f} MiB for 40,100 names removed and added"
 
 
 def test_a_child_process_loads_the_manifest_beside_an_open_environment(db: NamespaceDb, tmp_path: Path) -> None:
