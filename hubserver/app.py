@@ -49,7 +49,7 @@ async def _snapshot_ctx(app: web.Application) -> AsyncIterator[None]:
         snapshot.root,
         snapshot.file_count,
         snapshot.total_bytes,
-        len(snapshot.entries),
+        snapshot.entry_count,
         snapshot.generation,
         scan_s,
     )

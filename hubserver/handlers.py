@@ -7,19 +7,13 @@ import logging
 import os
 import re
 import weakref
-import zlib
-from collections.abc import Awaitable, Callable, Generator, Iterable
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 from aiohttp import hdrs, web
 from aiohttp.abc import AbstractStreamWriter
 
-from hubserver.manifest import (
-    FileChangedError,
-    FileRecord,
-    iter_manifest_lines,
-    open_unchanged,
-)
+from hubserver.manifest import FileChangedError, FileRecord, open_unchanged
 from hubserver.metrics import ENDPOINT_OTHER, ENDPOINTS, HubMetrics
 
 LOG = logging.getLogger(__name__)
@@ -45,8 +39,6 @@ _MAX_POSITION_DIGITS: Final = 19
 # Query parameters each endpoint accepts; anything else is a 400.
 _FILES_QUERY: Final = frozenset({"v", "bs"})  # bs: see checksums.file_data
 NO_QUERY: Final = frozenset[str]()
-# Batch lines before compressing: one compress() call per line is slow.
-_RAW_BATCH_BYTES = 256 * 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -146,39 +138,12 @@ async def healthz(request: web.Request) -> web.Response:
     )
 
 
-def iter_gzip_chunks(lines: Iterable[bytes], chunk_bytes: int) -> Generator[bytes, None, None]:
-    """Gzip a stream of lines into pieces of about ``chunk_bytes``."""
-    compressor = zlib.compressobj(wbits=31)  # 31: gzip header and trailer
-    raw: list[bytes] = []
-    raw_size = 0
-    out: list[bytes] = []
-    out_size = 0
-    for line in lines:
-        raw.append(line)
-        raw_size += len(line)
-        if raw_size < _RAW_BATCH_BYTES:
-            continue
-        piece = compressor.compress(b"".join(raw))
-        raw.clear()
-        raw_size = 0
-        out.append(piece)
-        out_size += len(piece)
-        if out_size >= chunk_bytes:
-            yield b"".join(out)
-            out.clear()
-            out_size = 0
-    out.append(compressor.compress(b"".join(raw)))
-    out.append(compressor.flush())
-    yield b"".join(out)
-
-
 async def manifest(request: web.Request) -> web.StreamResponse:
     """``GET /v1/manifest``: the snapshot as gzip NDJSON, streamed.
 
-    The body is built and compressed piece by piece in a worker thread, so a
-    large manifest neither sits in memory whole nor stalls the event loop.
-    aiohttp's own compression is never enabled on this response, so the
-    body is compressed exactly once. A client that goes away mid-way ends
+    The snapshot holds its manifest gzipped (compressed once, at the scan);
+    it is sent in pieces of the configured size. aiohttp's own compression
+    is never enabled on this response. A client that goes away mid-way ends
     the handler with ConnectionError.
     """
     check_query(request, NO_QUERY)
@@ -193,21 +158,19 @@ async def manifest(request: web.Request) -> web.StreamResponse:
     )
     response.enable_chunked_encoding()
     await response.prepare(request)
-    loop = asyncio.get_running_loop()
-    chunks = iter_gzip_chunks(iter_manifest_lines(snapshot), chunk_bytes)
+    body = memoryview(snapshot.manifest_gz)
     sent_bytes = 0
     try:
-        while (chunk := await loop.run_in_executor(None, next, chunks, None)) is not None:
+        while sent_bytes < len(body):
+            chunk = body[sent_bytes : sent_bytes + chunk_bytes]
             await response.write(chunk)
             sent_bytes += len(chunk)
         await response.write_eof()
     except ConnectionError as exc:
         LOG.info("manifest: client %s went away after %d bytes: %s", request.remote, sent_bytes, exc)
         raise
-    finally:
-        chunks.close()
     request[BODY_BYTES_KEY] = sent_bytes
-    LOG.debug("manifest: sent %d gzip bytes, %d entries", sent_bytes, len(snapshot.entries))
+    LOG.debug("manifest: sent %d gzip bytes, %d entries", sent_bytes, snapshot.entry_count)
     return response
 
 

@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import stat
+import struct
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +54,57 @@ class FileRecord:
     dev: int
 
 
+_PACKED_RECORD = struct.Struct(">QQQqqQQ")  # id, version, size, mtime, ctime, inode, device; the path follows
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+
+
+def _pack_record(record: FileRecord) -> bytes:
+    head = _PACKED_RECORD.pack(int(record.file_id, 16), int(record.version, 16), record.size_bytes,
+                               record.mtime_ns, record.ctime_ns, record.ino, record.dev)
+    return head + _encode_path(record.path)
+
+
+def _unpack_record(packed: bytes) -> FileRecord:
+    file_id, version, size_bytes, mtime_ns, ctime_ns, ino, dev = _PACKED_RECORD.unpack_from(packed)
+    path = _decode_path(packed[_PACKED_RECORD.size :])
+    return FileRecord(f"{file_id:016x}", f"{version:016x}", path, size_bytes, mtime_ns, ctime_ns, ino, dev)
+
+
+class FileTable:
+    """The snapshot's regular files by id, each packed into one bytes object.
+
+    As objects (a FileRecord, its strings and ints, a dict slot) a file took
+    ~500 bytes, ~640 MB for 1.28 M files; packed, ~200. A lookup unpacks a
+    FileRecord (a few microseconds, once per request).
+    """
+
+    def __init__(self) -> None:
+        self._packed: dict[int, bytes] = {}
+
+    def add(self, record: FileRecord) -> FileRecord | None:
+        """Add `record`; if another file has its id, leave that one and return it."""
+        key = int(record.file_id, 16)
+        first = self._packed.get(key)
+        if first is not None:
+            return _unpack_record(first)
+        self._packed[key] = _pack_record(record)
+        return None
+
+    def get(self, file_id: str) -> FileRecord | None:
+        """The file with id `file_id` (16 lowercase hex digits), None if there is none."""
+        if not _HEX16.fullmatch(file_id):
+            return None
+        packed = self._packed.get(int(file_id, 16))
+        return _unpack_record(packed) if packed is not None else None
+
+    def values(self) -> Iterator[FileRecord]:
+        for packed in self._packed.values():
+            yield _unpack_record(packed)
+
+    def __len__(self) -> int:
+        return len(self._packed)
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     """One manifest entry: a directory, a regular file or a symlink."""
@@ -66,11 +120,12 @@ class Entry:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """The scanned tree, in manifest order, with its files indexed by id."""
+    """The scanned tree: its manifest, gzipped once, and its files indexed by id."""
 
     root: Path  # absolute, symlinks resolved
-    entries: list[Entry]
-    files_by_id: dict[str, FileRecord]
+    manifest_gz: bytes  # the whole manifest, header first, as GET /v1/manifest sends it
+    entry_count: int
+    files_by_id: FileTable
     generation: str
     file_count: int
     total_bytes: int
@@ -135,23 +190,81 @@ def entry_line(entry: Entry) -> bytes:
     return _json_line(obj)
 
 
-def header_line(snapshot: Snapshot) -> bytes:
+def header_line(generation: str, entry_count: int) -> bytes:
     """The first manifest line: format, generation and entry count."""
     return _json_line(
         {
             "format": MANIFEST_FORMAT,
             "format_version": MANIFEST_FORMAT_VERSION,
-            "generation": snapshot.generation,
-            "entries": len(snapshot.entries),
+            "generation": generation,
+            "entries": entry_count,
         }
     )
 
 
-def iter_manifest_lines(snapshot: Snapshot) -> Iterator[bytes]:
-    """Yield the manifest, header first, one NDJSON line (with newline) each."""
-    yield header_line(snapshot)
-    for entry in snapshot.entries:
-        yield entry_line(entry)
+_GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03"  # deflate, no name, no mtime, Unix
+_COMPRESS_BATCH_BYTES = 64 * 1024
+_ZEROS = bytes(1 << 20)
+
+
+class ManifestWriter:
+    """Gzips the entry lines as the scan finds them; `finish` puts the header in front.
+
+    The header holds the generation (a hash of every entry line) and the
+    count, known only at the end, so the entries are compressed as a raw
+    deflate stream of their own and the header as a deflate block before
+    it; the gzip trailer's CRC-32 of header + entries is combined from the
+    two (crc32 is affine in its start value). Scanning and serving then
+    never hold the entries as objects, and a manifest request costs no CPU
+    to compress (300,000 entries: 1.6 CPU-s per request before).
+    """
+
+    def __init__(self) -> None:
+        self._hasher = xxhash.xxh3_64()
+        self._compressor = zlib.compressobj(6, zlib.DEFLATED, -15)
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._deflated: list[bytes] = []
+        self._crc = 0
+        self._length = 0
+        self.entry_count = 0
+
+    def add(self, line: bytes) -> None:
+        self._hasher.update(line)
+        self._crc = zlib.crc32(line, self._crc)
+        self._length += len(line)
+        self.entry_count += 1
+        self._pending.append(line)
+        self._pending_bytes += len(line)
+        if self._pending_bytes >= _COMPRESS_BATCH_BYTES:
+            self._deflated.append(self._compressor.compress(b"".join(self._pending)))
+            self._pending.clear()
+            self._pending_bytes = 0
+
+    @property
+    def generation(self) -> str:
+        return self._hasher.hexdigest()
+
+    def finish(self) -> bytes:
+        """The gzipped manifest: header line, then every entry line added."""
+        self._deflated.append(self._compressor.compress(b"".join(self._pending)))
+        self._deflated.append(self._compressor.flush())
+        header = header_line(self.generation, self.entry_count)
+        head_compressor = zlib.compressobj(6, zlib.DEFLATED, -15)
+        head = head_compressor.compress(header) + head_compressor.flush(zlib.Z_SYNC_FLUSH)
+        crc = self._crc ^ _crc32_of_zeros(self._length, zlib.crc32(header)) ^ _crc32_of_zeros(self._length, 0)
+        trailer = struct.pack("<II", crc, (len(header) + self._length) & 0xFFFFFFFF)
+        return b"".join([_GZIP_HEADER, head, *self._deflated, trailer])
+
+
+def _crc32_of_zeros(length: int, start: int) -> int:
+    """zlib.crc32 of `length` zero bytes, from `start`."""
+    crc = start
+    while length > 0:
+        piece = min(length, len(_ZEROS))
+        crc = zlib.crc32(memoryview(_ZEROS)[:piece], crc)
+        length -= piece
+    return crc
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -285,15 +398,14 @@ def scan(root: Path) -> Snapshot:
     itself cannot be read."""
     real_root = Path(os.path.realpath(root))
     root_bytes = os.fsencode(real_root)
-    entries: list[Entry] = []
-    files_by_id: dict[str, FileRecord] = {}
-    hasher = xxhash.xxh3_64()
+    files_by_id = FileTable()
+    manifest = ManifestWriter()
     total_bytes = 0
     for scanned in _walk(root_bytes):
         entry = _make_entry(scanned)
         record = entry.file
         if record is not None:
-            first = files_by_id.get(record.file_id)
+            first = files_by_id.add(record)
             if first is not None:
                 LOG.error(
                     "file id collision: %r and %r both hash to %s; serving only the first",
@@ -302,15 +414,14 @@ def scan(root: Path) -> Snapshot:
                     record.file_id,
                 )
                 continue
-            files_by_id[record.file_id] = record
             total_bytes += record.size_bytes
-        hasher.update(entry_line(entry))
-        entries.append(entry)
+        manifest.add(entry_line(entry))
     return Snapshot(
         root=real_root,
-        entries=entries,
+        manifest_gz=manifest.finish(),
+        entry_count=manifest.entry_count,
         files_by_id=files_by_id,
-        generation=hasher.hexdigest(),
+        generation=manifest.generation,
         file_count=len(files_by_id),
         total_bytes=total_bytes,
     )

@@ -78,7 +78,7 @@ def publish(metrics: HubMetrics, snapshot: Snapshot, scan_s: float) -> None:
         generation=snapshot.generation,
         files=snapshot.file_count,
         size_bytes=snapshot.total_bytes,
-        entries=len(snapshot.entries),
+        entries=snapshot.entry_count,
         scan_s=scan_s,
         finished_at_s=time.time(),
     )
