@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -124,30 +125,37 @@ def open_cache_databases(cache_dir: Path) -> tuple[NamespaceDb, IndexDb]:
     """Both environments of a cache dir; an older cache dir's namespace is moved out of its index first."""
     index = open_index_db(cache_dir / INDEX_DIR)
     try:
-        if not (cache_dir / NAMESPACE_DIR).exists():
-            _move_old_namespace(index, cache_dir / NAMESPACE_DIR)
+        old_tables = _old_namespace_tables(index)
+        if old_tables:
+            if not (cache_dir / NAMESPACE_DIR).exists():
+                _copy_old_namespace(index, cache_dir / NAMESPACE_DIR)
+            _drop_old_namespace(index, old_tables)  # also when a move was cut short after its rename
         return open_namespace_db(cache_dir / NAMESPACE_DIR), index
     except BaseException:
         index.close()
         raise
 
 
-def _move_old_namespace(index: IndexDb, destination: Path) -> None:
-    """Copy the namespace an older cachefs kept in the index environment to `destination`, then drop it there.
-
-    Built beside `destination` in transactions of a bounded size and renamed
-    into place once complete: an interrupted move starts again next time.
-    """
+def _old_namespace_tables(index: IndexDb) -> list[bytes]:
+    """The namespace tables an older cachefs kept in the index environment."""
     with index.env.begin() as txn:
         present = {key for key, _ in txn.cursor()}
-    if b"inodes" not in present:
-        return
+    return [name for name in (*_NAMESPACE_TABLES, b"loading") if name in present]
+
+
+def _copy_old_namespace(index: IndexDb, destination: Path) -> None:
+    """Copy the namespace an older cachefs kept in the index environment to `destination`.
+
+    Built beside `destination` in transactions of a bounded size and renamed
+    into place once complete (the directory synced): an interrupted copy
+    starts again next time.
+    """
     building = destination.with_name(destination.name + ".part")
     shutil.rmtree(building, ignore_errors=True)
     target = open_namespace_db(building)
     try:
         for name in _NAMESPACE_TABLES:
-            _copy_table(index.env, index.env.open_db(name, create=False), target.env, getattr(target, name.decode()))
+            _copy_table(index.env, index.env.open_db(name), target.env, getattr(target, name.decode()))
         with index.env.begin(db=index.meta) as source, target.env.begin(write=True, db=target.meta) as txn:
             for key in _NAMESPACE_META:
                 value = source.get(key)
@@ -156,13 +164,20 @@ def _move_old_namespace(index: IndexDb, destination: Path) -> None:
     finally:
         target.close()
     building.rename(destination)
+    directory = os.open(destination.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(directory)  # the rename is on disk before the old tables go
+    finally:
+        os.close(directory)
+    log.info("moved the namespace out of the block index into %s", destination)
+
+
+def _drop_old_namespace(index: IndexDb, tables: list[bytes]) -> None:
     with index.env.begin(write=True) as txn:
-        for name in (*_NAMESPACE_TABLES, b"loading"):
-            if name in present:
-                txn.drop(index.env.open_db(name, txn=txn, create=False), delete=True)
+        for name in tables:
+            txn.drop(index.env.open_db(name, txn=txn), delete=True)
         for key in _NAMESPACE_META:
             txn.delete(key, db=index.meta)
-    log.info("moved the namespace out of the block index into %s", destination)
 
 
 def _copy_table(source_env: lmdb.Environment, source: lmdb._Database,

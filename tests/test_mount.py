@@ -214,22 +214,25 @@ def test_a_cache_dir_with_the_namespace_in_its_block_index_is_moved_and_mounts_o
             wait_for_stats(spoke, lambda stats: stats["cached_bytes"] > 0)
             listing = sorted(os.listdir(spoke.mountpoint / "small"))
         url = hub.url
-    move_namespace_into_index(cache_dir)  # the layout an older cachefs left
-    with mounted_spoke(url, tmp_path, (*SPOKE_ARGS, "--fetch-timeout", "1"), cache_dir=cache_dir) as spoke:
-        assert sorted(os.listdir(spoke.mountpoint / "small")) == listing
-        assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
-        assert spoke.stats()["fetches"] == 0
-        assert "moved the namespace out of the block index" in spoke.log_text()
-    env = lmdb.open(str(cache_dir / "index.lmdb"), max_dbs=16)
-    with env.begin() as txn:
-        tables = {key for key, _ in txn.cursor()}
-        generation = txn.get(b"generation", db=env.open_db(b"meta", txn=txn))
-    env.close()
-    assert tables == {b"meta", b"blocks", b"fifo", b"pins", b"verified"} and generation is None
+    # The layout an older cachefs left; then a move cut short after its rename (both hold a namespace).
+    for keep_namespace in (False, True):
+        move_namespace_into_index(cache_dir, keep_namespace)
+        with mounted_spoke(url, tmp_path, (*SPOKE_ARGS, "--fetch-timeout", "1"), cache_dir=cache_dir) as spoke:
+            assert sorted(os.listdir(spoke.mountpoint / "small")) == listing
+            assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
+            assert spoke.stats()["fetches"] == 0
+            assert ("moved the namespace out of the block index" in spoke.log_text()) is not keep_namespace
+            (cache_dir / "cachefs.log").unlink()
+        env = lmdb.open(str(cache_dir / "index.lmdb"), max_dbs=16)
+        with env.begin() as txn:
+            tables = {key for key, _ in txn.cursor()}
+            generation = txn.get(b"generation", db=env.open_db(b"meta", txn=txn))
+        env.close()
+        assert tables == {b"meta", b"blocks", b"fifo", b"pins", b"verified"} and generation is None
 
 
-def move_namespace_into_index(cache_dir: Path) -> None:
-    """Put the namespace's tables and settings into index.lmdb, and remove namespace.lmdb."""
+def move_namespace_into_index(cache_dir: Path, keep_namespace: bool = False) -> None:
+    """Put the namespace's tables and settings into index.lmdb, and remove namespace.lmdb (or keep it)."""
     namespace = lmdb.open(str(cache_dir / "namespace.lmdb"), max_dbs=16)
     index = lmdb.open(str(cache_dir / "index.lmdb"), max_dbs=16, map_size=1 << 40)
     with namespace.begin() as source, index.begin(write=True) as target:
@@ -241,7 +244,8 @@ def move_namespace_into_index(cache_dir: Path) -> None:
         target.cursor(db=index.open_db(b"meta", txn=target)).putmulti(meta)
     namespace.close()
     index.close()
-    shutil.rmtree(cache_dir / "namespace.lmdb")
+    if not keep_namespace:
+        shutil.rmtree(cache_dir / "namespace.lmdb")
 
 
 def test_changes_are_refused_with_erofs(spoke: SpokeMount) -> None:
