@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="move to the hub's newest snapshot automatically, checking this often (default: only on `cachefs refresh`)",
     )
     mount.add_argument(
+        "--manifest-wait", type=float, default=60.0, metavar="SECONDS",
+        help="with a snapshot in the cache dir, mount on it if the hub's new manifest takes longer than this, "
+        "and load that in the background (default: 60)",
+    )
+    mount.add_argument(
         "--token-file", type=Path, metavar="FILE",
         help=f"bearer token for the hub, in a file of mode 0600 (or set ${TOKEN_ENV}); never on the command line",
     )
@@ -145,6 +150,8 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
         raise UsageError("--readahead-blocks and --prefetch-siblings must not be negative")
     if args.fetch_timeout <= 0:
         raise UsageError("--fetch-timeout must be positive")
+    if args.manifest_wait <= 0:
+        raise UsageError("--manifest-wait must be positive")
     return MountConfig(
         hub_url=parse_hub_url(args.hub_url),
         mountpoint=Path(os.path.abspath(args.mountpoint)),
@@ -155,6 +162,7 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
         readahead_blocks=args.readahead_blocks,
         sibling_prefetch_files=args.prefetch_siblings,
         refresh_interval_s=args.refresh_interval,
+        manifest_wait_s=args.manifest_wait,
         metrics_listen=parse_listen(args.metrics_listen) if args.metrics_listen else None,
         token=read_token(args.token_file) if args.token_file else os.environ.get(TOKEN_ENV) or None,
         ca_file=args.ca_file,

@@ -165,6 +165,10 @@ class MountConfig:
     # Poll the hub for a new generation every this many seconds and move to
     # it; None: only on `cachefs refresh` (a job sees one snapshot).
     refresh_interval_s: float | None = None
+    # At mount, with a snapshot in the cache dir: how long to wait for the
+    # hub's new manifest before mounting on the stored one (and loading the
+    # new one in the background). A slow link must not outlast the mount.
+    manifest_wait_s: float = 60.0
     # Bearer token for the hub, read from a file (never from the command line).
     token: str | None = dataclasses.field(default=None, repr=False)
     # TLS: CA bundle to verify the hub with (None: the system CAs) and an

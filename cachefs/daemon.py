@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -153,7 +153,7 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
     )
     namespace = Namespace(namespace_db)
     snapshots = Snapshots(config, client, namespace_db, namespace)
-    await snapshots.load_at_mount()
+    behind = await snapshots.load_at_mount()
     cache = BlockCache(index_db, config.cache_dir, config.cache_size_bytes, config.block_size_bytes, stats)
     fetcher = Fetcher(
         client,
@@ -219,6 +219,8 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
             nursery.start_soon(_save_policy_periodically, cache)
             if config.refresh_interval_s:
                 nursery.start_soon(snapshots.poll, config.refresh_interval_s, refresh)  # cancels plans too
+            if behind:  # the hub's new manifest did not come in time for the mount
+                nursery.start_soon(_refresh_once_mounted, refresh)
             nursery.start_soon(_serve_fuse, nursery.cancel_scope)
             await _tune_kernel(config, operations)
             _start_passthrough(operations, passthrough)
@@ -232,6 +234,16 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
             log.info("unmounted %s", config.mountpoint)
         cache.save_policy()
         await client.aclose()
+
+
+async def _refresh_once_mounted(refresh: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    """Move to the hub's new generation in the background (the mount serves the stored one meanwhile)."""
+    try:
+        result = await refresh()
+    except CachefsError as exc:
+        log.warning("cannot load the hub's new manifest: %s; still on the stored snapshot", exc)
+        return
+    log.info("now on the hub's generation %s", result.get("generation"))
 
 
 def _init_fuse(operations: CachefsOperations, config: MountConfig) -> None:

@@ -287,14 +287,17 @@ class HubClient:
             raise HubProtocolError(f"hub sent a malformed checksum list for file {file_id}")
         return [int.from_bytes(body[i : i + 8], "big") for i in range(0, len(body), 8)]
 
-    async def manifest_lines(self) -> AsyncIterator[bytes]:
-        """Stream the manifest's NDJSON lines (header first), gunzipped, unparsed."""
+    async def manifest_lines(self, on_received: Callable[[int], None] | None = None) -> AsyncIterator[bytes]:
+        """Stream the manifest's NDJSON lines (header first), gunzipped, unparsed.
+        `on_received` gets the size of every piece of the body as it arrives (gzipped)."""
         async with self._request("/v1/manifest") as (response, conn):
             await self._expect(response, conn, 200)
             gzipped = response.headers.get(b"content-encoding", b"").lower() == b"gzip"
             inflater = zlib.decompressobj(wbits=31) if gzipped else None
             pending = b""
             async for chunk in self._body(conn):
+                if on_received is not None:
+                    on_received(len(chunk))
                 for text in _inflated(inflater, chunk) if inflater else (chunk,):
                     pending += text
                     *lines, pending = pending.split(b"\n")

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import gzip
 import logging
-from collections.abc import Awaitable, Callable
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ import trio
 from .cache import BlockCache
 from .config import MountConfig
 from .db import NamespaceDb, put_meta
-from .errors import CachefsError, HubError, HubUnavailable
+from .errors import CachefsError, HubError, HubProtocolError, HubUnavailable
 from .hub_client import HubClient, parse_json
 from .namespace import Changes, ManifestSummary, Namespace, load_manifest
 from .namespace_loader import ChildFailed, load_in_child
@@ -36,11 +37,11 @@ Invalidate = Callable[[Changes], Awaitable[None]]
 # A manifest this large (gzipped; ~30 bytes an entry, so ~35,000 entries) is
 # loaded in a child process: LMDB would keep ~200 bytes an entry in the daemon.
 LOAD_IN_CHILD_MIN_BYTES = 1 << 20
-# The manifest's download may last 60 s, plus 1 s per 100 kB of manifest text
-# received (~25 kB/s gzipped on the wire, ~200 kbit/s): an ImageNet-sized one
-# (~150 MB of text) over a slow link arrives, a hub that trickles is given up.
+# The manifest's download may last 60 s, plus 1 s per 25 kB received (gzipped,
+# ~200 kbit/s): an ImageNet-sized one (~35 MB) over a slow link arrives, a hub
+# that trickles is given up.
 MANIFEST_GRACE_S = 60.0
-MANIFEST_MIN_BYTES_PER_S = 100_000
+MANIFEST_MIN_BYTES_PER_S = 25_000
 
 
 class Snapshots:
@@ -54,25 +55,33 @@ class Snapshots:
         self._manifest_path = config.cache_dir / "tmp" / "manifest.ndjson.gz"
         self._lock = trio.Lock()
 
-    async def load_at_mount(self) -> None:
-        """Load the hub's manifest if it is new; offline, keep the stored one (if any)."""
+    async def load_at_mount(self) -> bool:
+        """Load the hub's manifest if it is new; offline, keep the stored one (if any).
+
+        With a snapshot stored, a new manifest that has not arrived within
+        the config's manifest_wait_s is given up for now: returns True, and
+        the caller loads it once mounted (a refresh).
+        """
         stored = self._namespace.summary()
         try:
-            generation = await self._download(stored.generation if stored else None)
+            generation = await self._download(stored.generation if stored else None,
+                                              self._config.manifest_wait_s if stored else math.inf)
         except (CachefsError, trio.TooSlowError) as exc:  # the hub, or no room for its manifest
-            reason = str(exc) or "timed out"
+            reason = str(exc) or f"not complete within {self._config.manifest_wait_s:g} s"
             if stored is None:
                 if isinstance(exc, CachefsError) and not isinstance(exc, HubError):
                     raise
                 raise HubError(f"cannot get the manifest from hub {self._config.hub_url}: {reason}") from None
-            log.warning("no new manifest from hub %s (%s); serving the cached snapshot %s offline",
-                        self._config.hub_url, reason, stored.generation)
-            return
+            behind = isinstance(exc, trio.TooSlowError)
+            log.warning("no new manifest from hub %s (%s); serving the cached snapshot %s%s", self._config.hub_url,
+                        reason, stored.generation, "; loading the new one once mounted" if behind else " offline")
+            return behind
         if generation is not None:
             _summary, changes = await self._load()
             changes.discard()  # the kernel knows nothing of this mount yet
             put_meta(self._db, "hub_url", str(self._config.hub_url))
         self._manifest_path.unlink(missing_ok=True)
+        return False
 
     async def refresh(self, cache: BlockCache, invalidate: Invalidate, moved: Callable[[str], None]) -> dict[str, Any]:
         """Move to the hub's current generation; a no-op if it is the one shown.
@@ -122,16 +131,23 @@ class Snapshots:
             except CachefsError as exc:  # no room for the manifest: the mount stays on its generation
                 log.warning("cannot move to the hub's new generation: %s; will try again", exc)
 
-    async def _download(self, known_generation: str | None) -> str | None:
+    async def _download(self, known_generation: str | None, wait_s: float = math.inf) -> str | None:
         """Save the manifest to disk; None if its generation is `known_generation`.
-        Raises CachefsError (after removing what was written) if it cannot be stored."""
+        Raises CachefsError if it cannot be stored, trio.TooSlowError after `wait_s`;
+        on any failure what was written is removed."""
+        saved = False
         try:
             self._manifest_path.parent.mkdir(mode=0o700, exist_ok=True)
-            return await download_manifest(self._client, self._manifest_path, known_generation)
+            with trio.fail_after(wait_s):
+                generation = await download_manifest(self._client, self._manifest_path, known_generation)
+            saved = True
+            return generation
         except OSError as exc:
-            self._manifest_path.unlink(missing_ok=True)
             raise CachefsError(f"cannot store the hub's manifest in {self._manifest_path.parent}: "
                                f"{exc.strerror or exc}") from None
+        finally:
+            if not saved:
+                self._manifest_path.unlink(missing_ok=True)
 
     def _stored_generation(self) -> str | None:
         summary = self._namespace.summary()
@@ -169,31 +185,48 @@ async def download_manifest(
     """Save the hub's manifest gzipped at `path`; None (nothing saved) if its generation is `known_generation`.
 
     It may take as long as it keeps coming: `grace_s`, plus 1 s per
-    `min_bytes_per_s` of manifest text received (and the client's read
-    timeout when nothing arrives). Raises HubUnavailable when it falls behind.
+    `min_bytes_per_s` received (gzipped, as sent: a stream that inflates
+    1000-fold buys no time), and the client's read timeout when nothing
+    arrives. Raises HubUnavailable when it falls behind, HubProtocolError
+    for a header without a generation or more entries than it announced.
     """
     started = trio.current_time()
-    received = 0
+    received = [0]
+
+    def on_received(wire_bytes: int) -> None:
+        received[0] += wire_bytes
+        scope.deadline = started + grace_s + received[0] / min_bytes_per_s
+
     with trio.CancelScope(deadline=started + grace_s) as scope:
-        lines = client.manifest_lines()
+        lines = client.manifest_lines(on_received)
         try:
             first_line = await lines.__anext__()
             header = parse_json(first_line)
-            if header.get("generation") == known_generation:
+            generation, announced = header.get("generation"), header.get("entries")
+            if not isinstance(generation, str):
+                raise HubProtocolError("the hub's manifest header has no generation")
+            if generation == known_generation:
                 log.info("manifest generation %s is already loaded", known_generation)
                 return None
-            with gzip.open(path, "wb", compresslevel=1) as out:
-                out.write(first_line + b"\n")
-                async for line in lines:
-                    out.write(line + b"\n")
-                    received += len(line) + 1
-                    scope.deadline = started + grace_s + received / min_bytes_per_s
+            await _save_lines(lines, first_line, path, announced if isinstance(announced, int) else None)
         except StopAsyncIteration:
             raise HubError("the hub sent an empty manifest") from None
         finally:
             await lines.aclose()
-        return str(header.get("generation"))
+        return generation
     raise HubUnavailable(
-        f"the hub's manifest came too slowly: {received} bytes in {trio.current_time() - started:.0f} s "
-        f"(after the first {grace_s:.0f} s it must average {min_bytes_per_s / 1000:.0f} kB/s)"
+        f"the hub's manifest came too slowly: {received[0]} bytes in {trio.current_time() - started:.1f} s "
+        f"(after the first {grace_s:.0f} s it must average {min_bytes_per_s / 1000:.0f} kB/s gzipped)"
     )
+
+
+async def _save_lines(lines: AsyncIterator[bytes], first_line: bytes, path: Path, announced: int | None) -> None:
+    """Write the header line and the entry lines to `path`, gzipped; at most `announced` entries."""
+    count = 0
+    with gzip.open(path, "wb", compresslevel=1) as out:
+        out.write(first_line + b"\n")
+        async for line in lines:
+            count += 1
+            if announced is not None and count > announced:
+                raise HubProtocolError(f"the hub's manifest has more entries than the {announced} its header announced")
+            out.write(line + b"\n")

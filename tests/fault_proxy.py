@@ -11,7 +11,8 @@ at least that long (read-ahead's runs, not single-block misses).
 `counts["delayed"]` says how many it held, `data_in_flight` how many data
 requests it holds or forwards now, `most_data_in_flight` the most at once.
 `stall_batches_after` sends that many bytes of every batch answer, then
-holds the rest for `stall_s` (`counts["stalled batches"]`).
+holds the rest for `stall_s` (`counts["stalled batches"]`). `manifest_delay_s`
+holds every manifest request that long (`counts["delayed manifests"]`).
 
     with running_fault_proxy(hub.url, fault_rate=0.3) as proxy:
         mount(proxy.url, ...)
@@ -45,6 +46,7 @@ class FaultProxy:
     delay_s: float = 0.0
     delay_min_bytes: int = 0
     stall_batches_after: int | None = None
+    manifest_delay_s: float = 0.0
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
     url: str = ""
     data_in_flight: int = 0
@@ -67,6 +69,9 @@ class FaultProxy:
             return fault
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        if request.path == "/v1/manifest" and self.manifest_delay_s:
+            self.counts["delayed manifests"] += 1
+            await self._hold(self.manifest_delay_s)
         if not _is_data(request.path):
             return await self._forward(request)
         self.data_in_flight += 1  # the proxy's event loop is its only thread
@@ -74,11 +79,14 @@ class FaultProxy:
         try:
             if _range_bytes(request) >= self.delay_min_bytes:
                 self.counts["delayed"] += 1
-                with contextlib.suppress(asyncio.TimeoutError):  # cut short when the proxy stops
-                    await asyncio.wait_for(self._stopping.wait(), self.delay_s)
+                await self._hold(self.delay_s)
             return await self._forward(request)
         finally:
             self.data_in_flight -= 1
+
+    async def _hold(self, seconds: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):  # cut short when the proxy stops
+            await asyncio.wait_for(self._stopping.wait(), seconds)
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         session = request.app[SESSION_KEY]

@@ -17,7 +17,8 @@ import lmdb
 import pytest
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE
-from hub_helpers import running_hub
+from fault_proxy import running_fault_proxy
+from hub_helpers import running_hub, wait_until
 from mount_helpers import mounted_spoke, run_cachefs, wait_for_stats
 from test_mount import read_uncached
 
@@ -146,6 +147,32 @@ def test_a_large_namespace_is_loaded_and_refreshed_in_a_child_process(tmp_path: 
         assert (spoke.mountpoint / "d00" / "sample-00000.jpg").read_bytes() == b"second version"
         loads = [line for line in spoke.log_text().splitlines() if "cachefs.namespace_loader INFO loaded manifest" in line]
     assert len(loads) == 2, loads  # the mount's and the refresh's
+
+
+def test_a_slow_new_manifest_does_not_hold_up_a_mount_on_a_stored_snapshot(dataset: Path, tmp_path: Path) -> None:
+    """With a snapshot in the cache dir, the mount waits --manifest-wait for the hub's new
+    manifest, comes up on the stored one, and moves to the new one in the background
+    (before: it waited for the whole download, past --mount-timeout on a slow link)."""
+    source = tmp_path / "source"
+    shutil.copytree(dataset, source, symlinks=True)
+    cache_dir = tmp_path / "cache"
+    relative = "shards/shard-000.bin"
+    with running_hub(source) as hub:
+        with mounted_spoke(hub.url, tmp_path, ARGS, cache_dir=cache_dir) as spoke:
+            assert (spoke.mountpoint / relative).read_bytes() == (source / relative).read_bytes()
+        (source / "new.txt").write_text("added later\n")
+        with urllib.request.urlopen(urllib.request.Request(hub.url + "/v1/rescan", method="POST"), timeout=60) as answer:
+            assert json.load(answer)["rescanned"] is True
+        with running_fault_proxy(hub.url, 0.0, manifest_delay_s=6.0) as slow:
+            started = time.monotonic()
+            with mounted_spoke(slow.url, tmp_path, (*ARGS, "--manifest-wait", "1"), cache_dir=cache_dir) as spoke:
+                assert time.monotonic() - started < 5
+                assert not (spoke.mountpoint / "new.txt").exists()  # the stored snapshot
+                assert (spoke.mountpoint / relative).read_bytes() == (source / relative).read_bytes()
+                assert wait_until(lambda: (spoke.mountpoint / "new.txt").exists(), timeout_s=30)
+                assert (spoke.mountpoint / "new.txt").read_text() == "added later\n"
+                assert "loading the new one once mounted" in spoke.log_text()
+            assert slow.counts["delayed manifests"] == 2
 
 
 def test_reads_that_fetch_and_cache_do_not_wait_for_a_namespace_load(tmp_path: Path) -> None:

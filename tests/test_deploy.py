@@ -339,7 +339,7 @@ def test_mount_helper_translates_fstab_options(tmp_path: Path) -> None:
         "defaults", "_netdev", "nofail", "noauto", "rw", "user", "x-systemd.automount", "x-systemd.idle-timeout=60",
         "comment=cachefs", "cache_dir=/var/cache/cachefs", "cache_size=500G", "block_size=4M", "max_connections=32",
         "readahead_blocks=4", "fetch_timeout=45", "mount_timeout=600", "cache_size=600G", "debug", "allow_other",
-        "prefetch_siblings=0", "refresh_interval=300", "metrics_listen=127.0.0.1:9478", "token_file=/etc/t",
+        "prefetch_siblings=0", "refresh_interval=300", "manifest_wait=90", "metrics_listen=127.0.0.1:9478", "token_file=/etc/t",
         "ca_file=/etc/ca.pem", "tls_cert=/etc/c.pem", "tls_key=/etc/k.pem", "config=/etc/cachefs/data.toml",
     ])
     result = run_helper("-f", "-v", "http://hub:8470", tmp_path / "mnt", "-o", options, "-n", "-t", "cachefs")
@@ -349,7 +349,7 @@ def test_mount_helper_translates_fstab_options(tmp_path: Path) -> None:
     assert result.stdout.strip() == (
         f"mount.cachefs: running: {cachefs} mount http://hub:8470 {tmp_path / 'mnt'} --cache-dir /var/cache/cachefs "
         "--cache-size 600G --block-size 4M --max-connections 32 --readahead-blocks 4 --fetch-timeout 45 "
-        "--prefetch-siblings 0 --refresh-interval 300 --mount-timeout 600 --metrics-listen 127.0.0.1:9478 "
+        "--prefetch-siblings 0 --refresh-interval 300 --manifest-wait 90 --mount-timeout 600 --metrics-listen 127.0.0.1:9478 "
         "--token-file /etc/t --ca-file /etc/ca.pem --tls-cert /etc/c.pem --tls-key /etc/k.pem "
         "--config /etc/cachefs/data.toml --allow-other --debug"
     )

@@ -139,3 +139,54 @@ async def test_a_manifest_download_lasts_as_long_as_it_keeps_coming(raw_hub, tmp
         assert trio.current_time() - started < 3
     finally:
         await client.aclose()
+
+
+def inflating(lines_per_piece: int, interval_s: float, pieces: int) -> Body:
+    """A gzipped chunked manifest whose every ~100 wire bytes inflate to `lines_per_piece` lines."""
+
+    async def send(stream: trio.SocketStream) -> None:
+        def chunk(data: bytes) -> bytes:
+            return b"%x\r\n%s\r\n" % (len(data), data)
+
+        compressor = zlib.compressobj(9, zlib.DEFLATED, 31)
+        entry = json.dumps({"p": "d", "k": "d", "m": 493, "t": 0}).encode() + b"\n"
+        await stream.send_all(chunk(compressor.compress(HEADER_LINE + b"\n") + compressor.flush(zlib.Z_SYNC_FLUSH)))
+        for _ in range(pieces):
+            await trio.sleep(interval_s)
+            await stream.send_all(chunk(compressor.compress(entry * lines_per_piece) + compressor.flush(zlib.Z_SYNC_FLUSH)))
+        await stream.send_all(chunk(compressor.flush()) + b"0\r\n\r\n")
+
+    return send
+
+
+@pytest.mark.trio
+async def test_a_manifest_that_inflates_buys_no_time(raw_hub, tmp_path: Path) -> None:
+    """The rate a download must keep is counted in bytes as sent (gzipped): ~100 bytes a
+    0.1 s that inflate to 400 kB/s of text are cut off like any trickle."""
+    url = raw_hub(b"Content-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n", inflating(1000, 0.1, 300))
+    client = client_for(url)
+    try:
+        started = trio.current_time()
+        with pytest.raises(HubError, match="manifest came too slowly"):
+            await download_manifest(client, tmp_path / "m.gz", None, grace_s=0.5, min_bytes_per_s=5000)
+        assert trio.current_time() - started < 3
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.trio
+async def test_a_manifest_must_keep_to_its_header(raw_hub, tmp_path: Path) -> None:
+    """More entries than the header announced, or a header without a generation, is no manifest."""
+    lines = [dict(json.loads(HEADER_LINE), entries=2)] + [{"p": f"d{n}", "k": "d", "m": 493, "t": 0} for n in range(3)]
+    body = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    url = raw_hub(b"Content-Length: %d\r\n" % len(body), sender(body))
+    client = client_for(url)
+    try:
+        with pytest.raises(HubProtocolError, match="more entries than the 2 its header announced"):
+            await download_manifest(client, tmp_path / "m.gz", None)
+        body = json.dumps({"format": "cachefs-manifest", "format_version": 1}).encode() + b"\n"
+        raw_hub(b"Content-Length: %d\r\n" % len(body), sender(body))
+        with pytest.raises(HubProtocolError, match="header has no generation"):
+            await download_manifest(client, tmp_path / "m.gz", None)  # before: "already loaded" (None == None)
+    finally:
+        await client.aclose()
