@@ -54,19 +54,23 @@ class FileRecord:
     dev: int
 
 
-_PACKED_RECORD = struct.Struct(">QQQqqQQ")  # id, version, size, mtime, ctime, inode, device; the path follows
+_PACKED_RECORD = struct.Struct(">QQQQQ16s16s")  # id, version, size, inode, device, mtime, ctime; the path follows
+_TIME_BYTES = 16  # nanoseconds need more than 64 bits after the year 2262 (ext4 goes to 2446)
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
 def _pack_record(record: FileRecord) -> bytes:
-    head = _PACKED_RECORD.pack(int(record.file_id, 16), int(record.version, 16), record.size_bytes,
-                               record.mtime_ns, record.ctime_ns, record.ino, record.dev)
+    head = _PACKED_RECORD.pack(
+        int(record.file_id, 16), int(record.version, 16), record.size_bytes, record.ino, record.dev,
+        record.mtime_ns.to_bytes(_TIME_BYTES, "big", signed=True), record.ctime_ns.to_bytes(_TIME_BYTES, "big", signed=True),
+    )
     return head + _encode_path(record.path)
 
 
 def _unpack_record(packed: bytes) -> FileRecord:
-    file_id, version, size_bytes, mtime_ns, ctime_ns, ino, dev = _PACKED_RECORD.unpack_from(packed)
+    file_id, version, size_bytes, ino, dev, mtime, ctime = _PACKED_RECORD.unpack_from(packed)
     path = _decode_path(packed[_PACKED_RECORD.size :])
+    mtime_ns, ctime_ns = (int.from_bytes(time, "big", signed=True) for time in (mtime, ctime))
     return FileRecord(f"{file_id:016x}", f"{version:016x}", path, size_bytes, mtime_ns, ctime_ns, ino, dev)
 
 
@@ -370,16 +374,23 @@ def _open_dir(dir_fd: int, name: str, scanned: _Scanned) -> tuple[int, Iterator[
         return None
 
 
+def manifest_mtime(mtime_ns: int) -> int:
+    """An mtime as the manifest gives it: clamped to what 64 bits of nanoseconds hold (years
+    1677 to 2262); the hub keeps the exact one to tell a changed file."""
+    return min(max(mtime_ns, -(1 << 63)), (1 << 63) - 1)
+
+
 def _make_entry(scanned: _Scanned) -> Entry:
     """The manifest entry of one scanned path."""
     rel, st = scanned.rel, scanned.st
     path = _decode_path(rel)
     mode = stat.S_IMODE(st.st_mode)
+    mtime_ns = manifest_mtime(st.st_mtime_ns)
     if stat.S_ISDIR(st.st_mode):
-        return Entry(path, KIND_DIR, mode, st.st_mtime_ns, st.st_size)
+        return Entry(path, KIND_DIR, mode, mtime_ns, st.st_size)
     if scanned.link_target is not None:
         target = scanned.link_target
-        return Entry(path, KIND_SYMLINK, mode, st.st_mtime_ns, len(target), link_target=_decode_path(target))
+        return Entry(path, KIND_SYMLINK, mode, mtime_ns, len(target), link_target=_decode_path(target))
     record = FileRecord(
         file_id=file_id_for(rel),
         version=version_for(st),
@@ -390,7 +401,7 @@ def _make_entry(scanned: _Scanned) -> Entry:
         ino=st.st_ino,
         dev=st.st_dev,
     )
-    return Entry(path, KIND_FILE, mode, st.st_mtime_ns, st.st_size, file=record)
+    return Entry(path, KIND_FILE, mode, mtime_ns, st.st_size, file=record)
 
 
 def scan(root: Path) -> Snapshot:

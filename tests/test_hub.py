@@ -26,7 +26,9 @@ import xxhash
 from hub_helpers import HubProcess, Reply, run_hub_cli, running_hub
 from hub_helpers import http_get as get
 
-from hubserver.manifest import ManifestWriter, header_line, scan
+from cachefs.db import open_namespace_db
+from cachefs.namespace import load_manifest
+from hubserver.manifest import ManifestWriter, check_unchanged, header_line, scan
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -273,6 +275,30 @@ def test_a_snapshot_holds_its_entries_compactly(tmp_path: Path) -> None:
     record = snapshot.files_by_id.get(xxhash.xxh3_64_hexdigest(b"n00000007/n00000007_5.JPEG"))
     assert record is not None and record.path == "n00000007/n00000007_5.JPEG" and record.size_bytes == 0
     assert snapshot.files_by_id.get("0" * 16) is None and snapshot.files_by_id.get("x_1") is None
+
+
+def test_a_file_dated_after_2262_is_listed_clamped_and_served(tmp_path: Path) -> None:
+    """Nanoseconds since 1970 overflow 64 bits after 2262 (ext4 dates files up to 2446): the
+    manifest clamps such an mtime, so spokes accept it, and the hub keeps the exact one, so the
+    file is not taken for changed (before: the scan failed with struct.error)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "future.txt").write_bytes(b"from the future\n")
+    os.utime(root / "future.txt", ns=(0, 10**19))  # 2286
+    snapshot = scan(root)
+    record = snapshot.files_by_id.get(xxhash.xxh3_64_hexdigest(b"future.txt"))
+    assert record is not None and record.mtime_ns == os.stat(root / "future.txt").st_mtime_ns == 10**19
+    assert check_unchanged(snapshot, record)
+    entries = [json.loads(line) for line in gzip.decompress(snapshot.manifest_gz).splitlines()[1:]]
+    assert [entry["t"] for entry in entries if entry["p"] == "future.txt"] == [(1 << 63) - 1]
+    manifest = tmp_path / "manifest.gz"
+    manifest.write_bytes(snapshot.manifest_gz)
+    namespace_db = open_namespace_db(tmp_path / "namespace.lmdb")
+    try:
+        summary, _changes = load_manifest(namespace_db, manifest)  # what a spoke does with it
+    finally:
+        namespace_db.close()
+    assert summary.entries == 2
 
 
 def test_large_manifest_streams_in_many_chunks(tmp_path: Path) -> None:
