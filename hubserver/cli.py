@@ -151,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"connections beyond N get a 503 and are closed (default: {DEFAULT_MAX_CONNECTIONS})",
     )
     limits.add_argument(
+        "--max-connections-per-client",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="connections beyond N from one client address get a 503 and are closed "
+        "(default: three quarters of --max-connections; a regional cache in front of the hub is one client)",
+    )
+    limits.add_argument(
         "--header-timeout",
         type=_positive_seconds,
         default=DEFAULT_HEADER_TIMEOUT_S,
@@ -340,6 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,
             max_connections=args.max_connections,
+            max_connections_per_client=args.max_connections_per_client,
             header_timeout_s=args.header_timeout,
             send_timeout_s=args.send_timeout,
             keepalive_timeout_s=args.idle_timeout,

@@ -72,6 +72,10 @@ class HubConfig:
     # --- limits against hostile or broken clients -------------------------
     # Connections beyond this many get a 503 and are closed.
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    # ... and beyond this many from one client address (None: three quarters
+    # of max_connections, rounded up), so that one client cannot take them
+    # all. A regional cache in front of the hub is one address for all its spokes.
+    max_connections_per_client: int | None = None
     # A connection must deliver a complete request head this soon after it
     # opens (TLS handshake included) and after the first byte of each later
     # request; see DEFAULT_HEADER_TIMEOUT_S.

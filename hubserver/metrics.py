@@ -109,7 +109,7 @@ class HubMetrics:
         )
         self.refused_connections = Counter(
             f"{PREFIX}_refused_connections",
-            "Connections answered 503 and closed because --max-connections were open",
+            "Connections answered 503 and closed: --max-connections, or --max-connections-per-client from its address, were open",
             registry=registry,
         )
         self.header_timeouts = Counter(

@@ -6,8 +6,8 @@ it lacks is added here, in a subclass of its connection handler
 (``HubRequestHandler``) that the CLI's listening socket creates for every
 connection:
 
-- a cap on open connections: beyond it a connection gets a canned 503 and is
-  closed;
+- a cap on open connections, in all and per client address: beyond it a
+  connection gets a canned 503 and is closed;
 - a request head timeout: a connection must deliver a complete request head
   within ``header_timeout_s`` of opening and of the first byte of each later
   request, or it is closed (slowloris). aiohttp's own keep-alive timer only
@@ -26,6 +26,7 @@ is in progress.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import socket
 import ssl
@@ -211,6 +212,8 @@ class ConnectionLimits:
 
     def __init__(self, config: HubConfig, metrics: HubMetrics) -> None:
         self.max_connections = config.max_connections
+        self.max_per_client = config.max_connections_per_client or -(-3 * config.max_connections // 4)
+        self._per_client: collections.Counter[str] = collections.Counter()  # open connections by address
         self.header_timeout_s = config.header_timeout_s
         self.send_timeout_ms = max(1, round(config.send_timeout_s * 1000))
         self.metrics = metrics
@@ -219,29 +222,32 @@ class ConnectionLimits:
         self._refusal_logged_at: float | None = None
         self._refused_since_log = 0
 
-    def admit(self) -> bool:
-        """Count a new connection in, unless the limit is reached."""
+    def admit(self, client: str) -> bool:
+        """Count a new connection from `client` (its address) in, unless a limit is reached."""
         if self.open_connections >= self.max_connections:
-            self._refused()
+            self._refused(f"{self.open_connections} open, the most --max-connections allows")
+            return False
+        if self._per_client[client] >= self.max_per_client:
+            self._refused(f"{self._per_client[client]} open from {client}, the most --max-connections-per-client allows")
             return False
         self.open_connections += 1
+        self._per_client[client] += 1
         self.metrics.open_connections.inc()
         return True
 
-    def release(self) -> None:
+    def release(self, client: str) -> None:
         self.open_connections -= 1
+        self._per_client[client] -= 1
+        if self._per_client[client] <= 0:
+            del self._per_client[client]
         self.metrics.open_connections.dec()
 
-    def _refused(self) -> None:
+    def _refused(self, why: str) -> None:
         self.metrics.refused_connections.inc()
         self._refused_since_log += 1
         now = time.monotonic()
         if self._refusal_logged_at is None or now - self._refusal_logged_at >= _REFUSAL_LOG_INTERVAL_S:
-            LOG.warning(
-                "refusing connections: %d open, the most --max-connections allows (%d refused since the last report)",
-                self.open_connections,
-                self._refused_since_log,
-            )
+            LOG.warning("refusing connections: %s (%d refused since the last report)", why, self._refused_since_log)
             self._refusal_logged_at = now
             self._refused_since_log = 0
 
@@ -254,6 +260,7 @@ class HubRequestHandler(RequestHandler):
         super().__init__(manager, loop=asyncio.get_running_loop(), **options)
         self._limits = limits
         self._admitted = False
+        self._client = ""  # the peer's address
         # Set on a refused connection until its 503 is written.
         self._refused_transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -262,7 +269,9 @@ class HubRequestHandler(RequestHandler):
     # -- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if not self._limits.admit():
+        peer = transport.get_extra_info("peername")
+        self._client = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
+        if not self._limits.admit(self._client):
             self._refused_transport = transport  # type: ignore[assignment]
             self._timer = self._loop.call_later(_REFUSAL_GRACE_S, self._send_refusal)
             return
@@ -289,7 +298,7 @@ class HubRequestHandler(RequestHandler):
         if not self._admitted:
             return
         self._admitted = False
-        self._limits.release()
+        self._limits.release(self._client)
         super().connection_lost(exc)
 
     # -- called by the observe middleware

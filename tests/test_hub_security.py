@@ -628,6 +628,27 @@ def test_connections_beyond_the_limit_get_503(dataset: Dataset) -> None:
     assert "refusing connections: 2 open, the most --max-connections allows (1 refused" in hub.stderr_text()
 
 
+def test_one_client_cannot_take_every_connection(dataset: Dataset) -> None:
+    """Beyond --max-connections-per-client connections from one address get 503; another
+    address is still served (before: one client could hold all of --max-connections)."""
+    with running_hub(dataset.root, ["--max-connections", "8", "--max-connections-per-client", "2"]) as hub:
+        held = [http.client.HTTPConnection(hub.host, hub.port, timeout=5) for _ in range(2)]
+        try:
+            for conn in held:
+                conn.request("GET", "/healthz")
+                assert conn.getresponse().read()
+            data, closed = raw_exchange(hub.host, hub.port, b"GET /healthz HTTP/1.1\r\nHost: hub\r\n\r\n")
+            assert closed and data.startswith(b"HTTP/1.1 503 ")
+            with socket.create_connection((hub.host, hub.port), timeout=5, source_address=("127.0.0.2", 0)) as other:
+                other.sendall(b"GET /healthz HTTP/1.1\r\nHost: hub\r\nConnection: close\r\n\r\n")
+                assert other.makefile("rb").readline().startswith(b"HTTP/1.1 200 ")
+        finally:
+            for conn in held:
+                conn.close()
+        assert wait_until(lambda: healthz_status(hub) == 200, 5)  # their slots are free again
+    assert "refusing connections: 2 open from 127.0.0.1, the most --max-connections-per-client allows" in hub.stderr_text()
+
+
 def healthz_status(hub: HubProcess) -> int:
     try:
         return http_get(hub, "/healthz").status
