@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import errno
 import logging
+import math
 import os
 import select
 import subprocess
@@ -143,15 +144,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 # -- mount ----------------------------------------------------------------------
 
 
+def _check_seconds(option: str, value: float | None) -> None:
+    """A duration option is a positive, finite number (None: not given)."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        flag = "--" + option.replace("_", "-")
+        raise UsageError(f"invalid {flag} {value}: a positive number of seconds")
+
+
 def _config_from_args(args: argparse.Namespace) -> MountConfig:
     if args.max_connections < 1:
         raise UsageError("--max-connections must be at least 1")
     if args.readahead_blocks < 0 or args.prefetch_siblings < 0:
         raise UsageError("--readahead-blocks and --prefetch-siblings must not be negative")
-    if args.fetch_timeout <= 0:
-        raise UsageError("--fetch-timeout must be positive")
-    if args.manifest_wait <= 0:
-        raise UsageError("--manifest-wait must be positive")
+    for option in ("fetch_timeout", "refresh_interval", "manifest_wait", "mount_timeout"):
+        _check_seconds(option, getattr(args, option))
     return MountConfig(
         hub_url=parse_hub_url(args.hub_url),
         mountpoint=Path(os.path.abspath(args.mountpoint)),
@@ -307,6 +313,7 @@ def _setup_logging(debug: bool, log_path: Path | None) -> None:
 
 
 def _unmount(args: argparse.Namespace) -> int:
+    _check_seconds("timeout", args.timeout)
     path = cli_admin.cachefs_mount(args.mountpoint)
     try:
         pid: int | None = cli_admin.read_stats_xattr(path)["pid"]

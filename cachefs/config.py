@@ -163,7 +163,8 @@ class MountConfig:
     # after its verification would be served as it is (README).
     passthrough: bool = False
     # Poll the hub for a new generation every this many seconds and move to
-    # it; None: only on `cachefs refresh` (a job sees one snapshot).
+    # it; None: only on `cachefs refresh` (a job sees one snapshot), or once
+    # after a mount that came up on its stored snapshot (manifest_wait_s).
     refresh_interval_s: float | None = None
     # At mount, with a snapshot in the cache dir: how long to wait for the
     # hub's new manifest before mounting on the stored one (and loading the

@@ -240,7 +240,7 @@ async def _refresh_once_mounted(refresh: Callable[[], Awaitable[dict[str, Any]]]
     """Move to the hub's new generation in the background (the mount serves the stored one meanwhile)."""
     try:
         result = await refresh()
-    except CachefsError as exc:
+    except (CachefsError, OSError, lmdb.Error) as exc:  # the hub, or the cache dir: the mount carries on
         log.warning("cannot load the hub's new manifest: %s; still on the stored snapshot", exc)
         return
     log.info("now on the hub's generation %s", result.get("generation"))

@@ -128,7 +128,7 @@ class Snapshots:
                 log.info("generation poll failed: %s", exc)
             except trio.TooSlowError:
                 log.info("generation poll failed: timed out")
-            except CachefsError as exc:  # no room for the manifest: the mount stays on its generation
+            except (CachefsError, OSError, lmdb.Error) as exc:  # e.g. no room: the mount stays on its generation
                 log.warning("cannot move to the hub's new generation: %s; will try again", exc)
 
     async def _download(self, known_generation: str | None, wait_s: float = math.inf) -> str | None:

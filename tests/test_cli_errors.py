@@ -126,6 +126,17 @@ def test_invalid_sizes(hub, tmp_path: Path, option: str, value: str) -> None:
     assert_clean_failure(result, "invalid")
 
 
+@pytest.mark.parametrize(
+    "option, value",
+    [("--fetch-timeout", "0"), ("--manifest-wait", "nan"), ("--refresh-interval", "-5"), ("--mount-timeout", "inf")],
+)
+def test_invalid_durations(hub, tmp_path: Path, option: str, value: str) -> None:
+    """Before: nan passed every check and --manifest-wait nan ended the daemon with a ValueError."""
+    (tmp_path / "mnt").mkdir()
+    result = run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", tmp_path / "c", f"{option}={value}")
+    assert_clean_failure(result, f"invalid {option} ", "a positive number of seconds")
+
+
 def test_block_size_must_match_the_cache_dir(hub, tmp_path: Path) -> None:
     cache_dir = tmp_path / "cache"
     with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS, cache_dir=cache_dir):
