@@ -80,7 +80,6 @@ class Snapshots:
             _summary, changes = await self._load()
             changes.discard()  # the kernel knows nothing of this mount yet
             put_meta(self._db, "hub_url", str(self._config.hub_url))
-        self._manifest_path.unlink(missing_ok=True)
         return False
 
     async def refresh(self, cache: BlockCache, invalidate: Invalidate, moved: Callable[[str], None]) -> dict[str, Any]:
@@ -98,7 +97,6 @@ class Snapshots:
             summary, changes = await self._load()
             try:
                 moved(summary.generation)
-                self._manifest_path.unlink(missing_ok=True)
                 await invalidate(changes)
             finally:
                 changes.discard()
@@ -158,7 +156,8 @@ class Snapshots:
 
         A large manifest is loaded in a child process, so that the memory the
         load takes leaves with it (namespace_loader.py); a small one, here in a
-        thread (a child costs ~0.2-0.4 s to start).
+        thread (a child costs ~0.2-0.4 s to start). The downloaded manifest is
+        removed once loaded, or when the load fails or is cancelled.
         """
         try:
             if self._manifest_path.stat().st_size >= LOAD_IN_CHILD_MIN_BYTES:
@@ -168,11 +167,9 @@ class Snapshots:
                     log.warning("%s; loading the manifest in the daemon instead", exc)
             return await trio.to_thread.run_sync(load_manifest, self._db, self._manifest_path)
         except (OSError, lmdb.Error) as exc:
-            self._manifest_path.unlink(missing_ok=True)
             raise CachefsError(f"cannot load the hub's manifest into {self._config.cache_dir}: {exc}") from None
-        except CachefsError:
+        finally:
             self._manifest_path.unlink(missing_ok=True)
-            raise
 
 
 async def download_manifest(
