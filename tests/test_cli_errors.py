@@ -121,9 +121,17 @@ def test_the_mount_of_a_path_is_the_deepest_one_above_it(tmp_path: Path, tmpfs_d
     "option, value", [("--cache-size", "ten gigs"), ("--cache-size", "-5G"), ("--block-size", "1000"), ("--block-size", "1G")]
 )
 def test_invalid_sizes(hub, tmp_path: Path, option: str, value: str) -> None:
+    assert_mount_refused(hub.url, tmp_path, f"{option}={value}", "invalid")
+
+
+def assert_mount_refused(url: str, tmp_path: Path, option: str, *fragments: str) -> None:
+    """`cachefs mount` with `option` fails cleanly; if it mounted after all, it is unmounted."""
     (tmp_path / "mnt").mkdir()
-    result = run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", tmp_path / "c", f"{option}={value}")
-    assert_clean_failure(result, "invalid")
+    try:
+        assert_clean_failure(run_cachefs("mount", url, tmp_path / "mnt", "--cache-dir", tmp_path / "c", option), *fragments)
+    finally:
+        if is_mounted(tmp_path / "mnt"):
+            run_cachefs("umount", tmp_path / "mnt")
 
 
 @pytest.mark.parametrize(
@@ -132,9 +140,7 @@ def test_invalid_sizes(hub, tmp_path: Path, option: str, value: str) -> None:
 )
 def test_invalid_durations(hub, tmp_path: Path, option: str, value: str) -> None:
     """Before: nan passed every check and --manifest-wait nan ended the daemon with a ValueError."""
-    (tmp_path / "mnt").mkdir()
-    result = run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", tmp_path / "c", f"{option}={value}")
-    assert_clean_failure(result, f"invalid {option} ", "a positive number of seconds")
+    assert_mount_refused(hub.url, tmp_path, f"{option}={value}", f"invalid {option} ", "a positive number of seconds")
 
 
 def test_block_size_must_match_the_cache_dir(hub, tmp_path: Path) -> None:

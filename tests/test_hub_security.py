@@ -603,13 +603,19 @@ def test_slow_request_head_is_cut_at_the_header_timeout(dataset: Dataset) -> Non
         assert "no complete request head within 1 s" in hub.stderr_text()
 
 
+def held_connections(hub: HubProcess, count: int) -> list[http.client.HTTPConnection]:
+    """`count` keep-alive connections to the hub, each having had one answer."""
+    held = [http.client.HTTPConnection(hub.host, hub.port, timeout=5) for _ in range(count)]
+    for conn in held:
+        conn.request("GET", "/healthz")
+        assert conn.getresponse().read()
+    return held
+
+
 def test_connections_beyond_the_limit_get_503(dataset: Dataset) -> None:
     with running_hub(dataset.root, ["--max-connections", "2"]) as hub:
-        held = [http.client.HTTPConnection(hub.host, hub.port, timeout=5) for _ in range(2)]
+        held = held_connections(hub, 2)
         try:
-            for conn in held:
-                conn.request("GET", "/healthz")
-                assert conn.getresponse().read()
             data, closed = raw_exchange(hub.host, hub.port, b"GET /healthz HTTP/1.1\r\nHost: hub\r\n\r\n")
             assert closed
             assert data.startswith(b"HTTP/1.1 503 ")
@@ -632,11 +638,8 @@ def test_one_client_cannot_take_every_connection(dataset: Dataset) -> None:
     """Beyond --max-connections-per-client connections from one address get 503; another
     address is still served (before: one client could hold all of --max-connections)."""
     with running_hub(dataset.root, ["--max-connections", "8", "--max-connections-per-client", "2"]) as hub:
-        held = [http.client.HTTPConnection(hub.host, hub.port, timeout=5) for _ in range(2)]
+        held = held_connections(hub, 2)
         try:
-            for conn in held:
-                conn.request("GET", "/healthz")
-                assert conn.getresponse().read()
             data, closed = raw_exchange(hub.host, hub.port, b"GET /healthz HTTP/1.1\r\nHost: hub\r\n\r\n")
             assert closed and data.startswith(b"HTTP/1.1 503 ")
             with socket.create_connection((hub.host, hub.port), timeout=5, source_address=("127.0.0.2", 0)) as other:
