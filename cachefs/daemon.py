@@ -219,6 +219,7 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
             nursery.start_soon(_save_policy_periodically, cache)
             if config.refresh_interval_s:
                 nursery.start_soon(snapshots.poll, config.refresh_interval_s, refresh)  # cancels plans too
+            nursery.start_soon(snapshots.drop_stale_blocks, cache)
             if behind:  # the hub's new manifest did not come in time for the mount
                 nursery.start_soon(_refresh_once_mounted, refresh)
             nursery.start_soon(_serve_fuse, nursery.cancel_scope)

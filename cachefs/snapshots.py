@@ -100,7 +100,7 @@ class Snapshots:
                 await invalidate(changes)
             finally:
                 changes.discard()
-            dropped = await trio.to_thread.run_sync(cache.drop_stale, self._namespace.file_version)
+            dropped = await trio.to_thread.run_sync(cache.drop_stale, self._namespace.file_version, summary.generation)
             log.info("moved from generation %s to %s: %d entries changed, %d removed, %d cached blocks dropped",
                      old.generation if old else None, summary.generation, len(changes.changed), len(changes.removed), dropped)
             return {
@@ -111,6 +111,23 @@ class Snapshots:
                 "removed_entries": len(changes.removed),
                 "dropped_blocks": dropped,
             }
+
+    async def drop_stale_blocks(self, cache: BlockCache) -> None:
+        """Drop cached blocks of file versions the snapshot shown no longer has, unless that was
+        done for it (background task at mount: a new manifest loaded at mount, or a refresh cut
+        short by an unmount, leaves them; they would never be read, but take cache space)."""
+        async with self._lock:
+            summary = self._namespace.summary()
+            if summary is None or cache.stale_checked_for() == summary.generation:
+                return
+            try:
+                dropped = await trio.to_thread.run_sync(cache.drop_stale, self._namespace.file_version,
+                                                        summary.generation)
+            except (OSError, lmdb.Error) as exc:
+                log.warning("cannot drop the cached blocks of older versions: %s", exc)
+                return
+            log.info("dropped %d cached blocks of file versions generation %s no longer has", dropped,
+                     summary.generation)
 
     async def poll(self, interval_s: float, refresh: Callable[[], Awaitable[dict[str, Any]]]) -> None:
         """Call `refresh` whenever the hub's generation differs (background task)."""

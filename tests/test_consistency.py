@@ -19,7 +19,7 @@ from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE
 from fault_proxy import running_fault_proxy
 from hub_helpers import running_hub, wait_until
-from mount_helpers import mounted_spoke, run_cachefs, wait_for_stats
+from mount_helpers import cache_data_files, mounted_spoke, run_cachefs, wait_for_stats
 from test_mount import read_uncached
 
 from cachefs import plan as cachefs_plan
@@ -174,6 +174,30 @@ def test_a_slow_new_manifest_does_not_hold_up_a_mount_on_a_stored_snapshot(datas
                 assert (spoke.mountpoint / "new.txt").read_text() == "added later\n"
                 assert "loading the new one once mounted" in spoke.log_text()
             assert slow.counts["delayed manifests"] == 2
+
+
+def test_a_mount_that_loads_a_new_manifest_drops_the_blocks_of_older_versions(dataset: Path, tmp_path: Path) -> None:
+    """Blocks of a version the snapshot no longer has are never read again: the mount that
+    loads a new manifest drops them, as a refresh does (before: they stayed until evicted)."""
+    source = tmp_path / "source"
+    shutil.copytree(dataset, source, symlinks=True)
+    cache_dir = tmp_path / "cache"
+    changed, kept = "shards/shard-001.bin", "shards/shard-000.bin"
+    with running_hub(source) as hub:
+        with mounted_spoke(hub.url, tmp_path, ARGS, cache_dir=cache_dir) as spoke:
+            for relative in (changed, kept):
+                assert (spoke.mountpoint / relative).read_bytes() == (source / relative).read_bytes()
+            cached = wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == sum(
+                (source / relative).stat().st_size for relative in (changed, kept)))["cached_bytes"]
+        (source / changed).write_bytes(os.urandom(5000))
+        with urllib.request.urlopen(urllib.request.Request(hub.url + "/v1/rescan", method="POST"), timeout=60) as answer:
+            assert json.load(answer)["rescanned"] is True
+        with mounted_spoke(hub.url, tmp_path, ARGS, cache_dir=cache_dir) as spoke:
+            stats = wait_for_stats(spoke, lambda stats: stats["cached_bytes"] < cached)
+            assert stats["cached_bytes"] == (source / kept).stat().st_size
+            assert len(cache_data_files(cache_dir)) == 1
+            assert (spoke.mountpoint / changed).read_bytes() == (source / changed).read_bytes()
+            assert "cached blocks of file versions generation" in spoke.log_text()
 
 
 def test_reads_that_fetch_and_cache_do_not_wait_for_a_namespace_load(tmp_path: Path) -> None:

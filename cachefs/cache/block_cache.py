@@ -30,6 +30,7 @@ VICTIM_BATCH = 64
 RESERVE_BYTES = 1 << 30
 _SIZE = struct.Struct(">Q")
 SKETCH_FILE = "policy.sketch"
+_STALE_CHECKED_FOR = "stale_checked_for"  # meta: see BlockCache.stale_checked_for
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -391,14 +392,21 @@ class BlockCache:
             self.store.delete_file(file_id)
         return sum(length for _key, length in blocks)
 
-    def drop_stale(self, version_of: Callable[[bytes], bytes | None]) -> int:
-        """Drop blocks of file versions the snapshot no longer has; returns how many."""
+    def drop_stale(self, version_of: Callable[[bytes], bytes | None], generation: str) -> int:
+        """Drop blocks of file versions the snapshot (`generation`) no longer has; returns how many.
+        Once done, `stale_checked_for` says `generation`."""
         stale = [key for key in self.index.iter_keys() if version_of(key.file_id) != key.version]
         with self._lock:
             self.index.remove_many(stale)
             for file_id, version in {(key.file_id, key.version) for key in stale}:
                 self.store.delete_version(file_id, version)
+        put_meta(self._db, _STALE_CHECKED_FOR, generation)
         return len(stale)
+
+    def stale_checked_for(self) -> str | None:
+        """The generation the last complete `drop_stale` was for (a mount that loaded a new
+        manifest, or a refresh cut short by an unmount, has not had one)."""
+        return get_meta(self._db, _STALE_CHECKED_FOR)
 
     def purge(self) -> int:
         """Drop every cached block and remove the block files; returns the block count."""
