@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="connections beyond N from one client address get a 503 and are closed "
-        "(default: three quarters of --max-connections; a regional cache in front of the hub is one client)",
+        "(default: three quarters of --max-connections; a regional cache or a NAT gateway in front of the spokes "
+        "is one client)",
     )
     limits.add_argument(
         "--header-timeout",
