@@ -392,21 +392,28 @@ class BlockCache:
             self.store.delete_file(file_id)
         return sum(length for _key, length in blocks)
 
-    def drop_stale(self, version_of: Callable[[bytes], bytes | None], generation: str) -> int:
-        """Drop blocks of file versions the snapshot (`generation`) no longer has; returns how many.
-        Once done, `stale_checked_for` says `generation`."""
-        stale = [key for key in self.index.iter_keys() if version_of(key.file_id) != key.version]
+    def stale_versions(self, version_of: Callable[[bytes], bytes | None]) -> list[list[BlockKey]]:
+        """The cached blocks of file versions the snapshot no longer has, one list per version."""
+        stale: dict[tuple[bytes, bytes], list[BlockKey]] = {}
+        for key in self.index.iter_keys():
+            if version_of(key.file_id) != key.version:
+                stale.setdefault((key.file_id, key.version), []).append(key)
+        return list(stale.values())
+
+    def drop_versions(self, versions: list[list[BlockKey]]) -> None:
+        """Drop these versions' blocks (each list all of a version's) and their data files."""
         with self._lock:
-            self.index.remove_many(stale)
-            for file_id, version in {(key.file_id, key.version) for key in stale}:
-                self.store.delete_version(file_id, version)
-        put_meta(self._db, _STALE_CHECKED_FOR, generation)
-        return len(stale)
+            self.index.remove_many(key for keys in versions for key in keys)
+            for keys in versions:
+                self.store.delete_version(keys[0].file_id, keys[0].version)
 
     def stale_checked_for(self) -> str | None:
-        """The generation the last complete `drop_stale` was for (a mount that loaded a new
-        manifest, or a refresh cut short by an unmount, has not had one)."""
+        """The generation whose stale versions were last dropped completely (a mount that loaded
+        a new manifest, or a refresh cut short by an unmount, has not had that)."""
         return get_meta(self._db, _STALE_CHECKED_FOR)
+
+    def mark_stale_checked(self, generation: str) -> None:
+        put_meta(self._db, _STALE_CHECKED_FOR, generation)
 
     def purge(self) -> int:
         """Drop every cached block and remove the block files; returns the block count."""
