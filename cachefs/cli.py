@@ -144,11 +144,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 # -- mount ----------------------------------------------------------------------
 
 
+# The longest duration an option takes (~115 days): beyond it, time_t and
+# select() overflow, and no wait that long is meant.
+MAX_SECONDS = 10_000_000
+
+
 def _check_seconds(option: str, value: float | None) -> None:
-    """A duration option is a positive, finite number (None: not given)."""
-    if value is not None and not (math.isfinite(value) and value > 0):
+    """A duration option is a positive number of seconds, at most MAX_SECONDS (None: not given)."""
+    if value is not None and not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
         flag = "--" + option.replace("_", "-")
-        raise UsageError(f"invalid {flag} {value}: a positive number of seconds")
+        raise UsageError(f"invalid {flag} {value:g}: a positive number of seconds, at most {MAX_SECONDS:,}")
 
 
 def _config_from_args(args: argparse.Namespace) -> MountConfig:

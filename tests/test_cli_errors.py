@@ -136,10 +136,12 @@ def assert_mount_refused(url: str, tmp_path: Path, option: str, *fragments: str)
 
 @pytest.mark.parametrize(
     "option, value",
-    [("--fetch-timeout", "0"), ("--manifest-wait", "nan"), ("--refresh-interval", "-5"), ("--mount-timeout", "inf")],
+    [("--fetch-timeout", "0"), ("--manifest-wait", "nan"), ("--refresh-interval", "-5"), ("--mount-timeout", "inf"),
+     ("--mount-timeout", "1e12")],
 )
 def test_invalid_durations(hub, tmp_path: Path, option: str, value: str) -> None:
-    """Before: nan passed every check and --manifest-wait nan ended the daemon with a ValueError."""
+    """Before: nan passed every check and --manifest-wait nan ended the daemon with a ValueError;
+    --mount-timeout 1e12 overflowed select() after the daemon had mounted."""
     assert_mount_refused(hub.url, tmp_path, f"{option}={value}", f"invalid {option} ", "a positive number of seconds")
 
 
