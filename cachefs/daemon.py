@@ -209,6 +209,7 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
                 attr_timeout_s=config.attr_timeout_s,
                 stats_json=lambda: {"pid": os.getpid(), **admin.snapshot()},
             )
+            snapshots.open_versions = operations.open_versions
             control = ControlServer(admin.handlers(), {"plan": planner.handle_plan})
             await nursery.start(control.serve, config.cache_dir / SOCKET_NAME)
             if config.metrics_listen is not None:

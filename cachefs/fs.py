@@ -137,6 +137,10 @@ class CachefsOperations(pyfuse3.Operations):
     def init(self) -> None:
         self.initialized = True
 
+    def open_versions(self) -> set[tuple[bytes, bytes]]:
+        """(file id, version) of every file open now (trio thread)."""
+        return {(handle.inode.file_id, handle.inode.version) for handle in self._handles.values()}
+
     # -- metadata ---------------------------------------------------------------
 
     def _inode(self, ino: int) -> Inode:

@@ -4,10 +4,11 @@ A mount shows one generation of the hub's tree. `refresh` moves it to the
 hub's current one: the new manifest replaces the namespace in one LMDB
 transaction; the kernel is told to forget the attributes, names and page
 cache of what changed; cached blocks of changed or removed files are
-dropped (unchanged files keep theirs, since blocks are keyed by version).
-Files already open keep reading the version they opened: its cached blocks
-still serve, uncached ones fail with ESTALE (the hub answers 412), never a
-mix of versions.
+dropped (unchanged files keep theirs, since blocks are keyed by version;
+versions still open keep theirs until the next mount). Files already open
+keep reading the version they opened: its cached blocks still serve,
+uncached ones fail with ESTALE (the hub answers 412), never a mix of
+versions.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class Snapshots:
         self._namespace = namespace
         self._manifest_path = config.cache_dir / "tmp" / "manifest.ndjson.gz"
         self._lock = trio.Lock()
+        # (file id, version) of the files open now: their cached blocks are kept (set by the daemon)
+        self.open_versions: Callable[[], set[tuple[bytes, bytes]]] = set
 
     async def load_at_mount(self) -> bool:
         """Load the hub's manifest if it is new; offline, keep the stored one (if any).
@@ -133,16 +136,23 @@ class Snapshots:
     async def _drop_stale(self, cache: BlockCache, generation: str) -> int:
         """Drop the cached blocks of file versions the snapshot no longer has; returns how many.
 
-        A batch of versions at a time, each in one index transaction and its
+        Versions still open keep theirs (the handle keeps reading what is
+        cached of its version) until the next mount. A batch of versions at
+        a time, each in one index transaction and its
         own thread call: the cache writer waits for the cache's lock one batch
         at most (a data file's unlink each: 150,000 took 12.5 s here), and an
         unmount ends it between batches; what is left is dropped at the next
         mount (`generation` is recorded only once all are gone).
         """
-        versions = await trio.to_thread.run_sync(cache.stale_versions, self._namespace.file_version)
+        stale = await trio.to_thread.run_sync(cache.stale_versions, self._namespace.file_version)
+        in_use = self.open_versions()
+        versions = [keys for keys in stale if (keys[0].file_id, keys[0].version) not in in_use]
         for start in range(0, len(versions), DROP_BATCH_VERSIONS):
             await trio.to_thread.run_sync(cache.drop_versions, versions[start : start + DROP_BATCH_VERSIONS])
-        await trio.to_thread.run_sync(cache.mark_stale_checked, generation)
+        if len(versions) == len(stale):
+            await trio.to_thread.run_sync(cache.mark_stale_checked, generation)
+        else:  # dropped at the next mount
+            log.info("kept the cached blocks of %d older file versions still open", len(stale) - len(versions))
         return sum(len(keys) for keys in versions)
 
     async def poll(self, interval_s: float, refresh: Callable[[], Awaitable[dict[str, Any]]]) -> None:

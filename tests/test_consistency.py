@@ -254,6 +254,41 @@ def test_a_handle_opened_before_a_refresh_never_feeds_its_bytes_to_newer_opens(d
         assert path.read_bytes() == new_bytes  # and once the old handle is closed
 
 
+def test_a_handle_opened_before_a_refresh_keeps_reading_its_cached_blocks(dataset: Path, tmp_path: Path) -> None:
+    """The refresh drops the cached blocks of older versions, but not of one still open: its
+    handle reads them after the kernel's pages are gone (before: ESTALE, the hub has only the
+    new version); they go at the next mount."""
+    source = tmp_path / "source"
+    shutil.copytree(dataset, source, symlinks=True)
+    relative = "shards/shard-000.bin"
+    old_bytes = (source / relative).read_bytes()
+    block = TEST_BLOCK_SIZE
+    cache_dir = tmp_path / "cache"
+    with running_hub(source) as hub:
+        with mounted_spoke(hub.url, tmp_path, ARGS, cache_dir=cache_dir) as spoke:
+            path = spoke.mountpoint / relative
+            old_handle = os.open(path, os.O_RDONLY)
+            try:
+                # All of it, so that the first blocks are no longer among the reader's recent ones in memory.
+                assert os.pread(old_handle, len(old_bytes), 0) == old_bytes
+                wait_for_stats(spoke, lambda stats: stats["cached_bytes"] >= len(old_bytes))
+                (source / "replacement").write_bytes(os.urandom(len(old_bytes)))
+                os.replace(source / "replacement", source / relative)
+                with urllib.request.urlopen(urllib.request.Request(hub.url + "/v1/rescan", method="POST"), timeout=30):
+                    pass
+                assert run_cachefs("refresh", spoke.mountpoint).returncode == 0
+                os.posix_fadvise(old_handle, 0, 0, os.POSIX_FADV_DONTNEED)  # the kernel's copy goes
+                hits = spoke.stats()["block_hits"]
+                assert os.pread(old_handle, block, 5 * block) == old_bytes[5 * block : 6 * block]
+                assert spoke.stats()["block_hits"] > hits  # the daemon served it, from its cache
+                assert "kept the cached blocks of 1 older file versions still open" in spoke.log_text()
+            finally:
+                os.close(old_handle)
+        with mounted_spoke(hub.url, tmp_path, ARGS, cache_dir=cache_dir) as spoke:  # the next mount drops them
+            wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == 0)
+            assert (spoke.mountpoint / relative).read_bytes() == (source / relative).read_bytes()
+
+
 def test_a_refresh_shows_names_looked_up_before_and_paths_that_changed_kind(dataset: Path, tmp_path: Path) -> None:
     """The kernel caches "no such file" (the snapshot cannot change) and a path's kind with its
     inode number (a hash of the path): a refresh makes it forget both for what it changes."""
