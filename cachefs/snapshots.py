@@ -41,10 +41,10 @@ LOAD_IN_CHILD_MIN_BYTES = 1 << 20
 # The manifest's download may last 60 s, plus 1 s per 25 kB received (gzipped,
 # ~200 kbit/s): an ImageNet-sized one (~35 MB) over a slow link arrives, a hub
 # that trickles is given up.
-# File versions whose cached blocks are dropped per batch (one unlink each).
-DROP_BATCH_VERSIONS = 500
 MANIFEST_GRACE_S = 60.0
 MANIFEST_MIN_BYTES_PER_S = 25_000
+# File versions whose cached blocks are dropped per batch (one unlink each).
+DROP_BATCH_VERSIONS = 500
 
 
 class Snapshots:

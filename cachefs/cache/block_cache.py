@@ -393,10 +393,14 @@ class BlockCache:
         return sum(length for _key, length in blocks)
 
     def stale_versions(self, version_of: Callable[[bytes], bytes | None]) -> list[list[BlockKey]]:
-        """The cached blocks of file versions the snapshot no longer has, one list per version."""
+        """The cached blocks of file versions the snapshot no longer has, one list per version.
+        One `version_of` per file: the index lists a file's blocks together."""
         stale: dict[tuple[bytes, bytes], list[BlockKey]] = {}
+        file_id, current = b"", None
         for key in self.index.iter_keys():
-            if version_of(key.file_id) != key.version:
+            if key.file_id != file_id:
+                file_id, current = key.file_id, version_of(key.file_id)
+            if current != key.version:
                 stale.setdefault((key.file_id, key.version), []).append(key)
         return list(stale.values())
 
