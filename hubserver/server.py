@@ -269,8 +269,8 @@ class HubRequestHandler(RequestHandler):
     # -- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        peer = transport.get_extra_info("peername")
-        self._client = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
+        address = _peer_address(transport)
+        self._client = address[0] if address is not None else "-"
         if not self._limits.admit(self._client):
             self._refused_transport = transport  # type: ignore[assignment]
             self._timer = self._loop.call_later(_REFUSAL_GRACE_S, self._send_refusal)
@@ -387,11 +387,15 @@ def _set_send_timeout(transport: asyncio.BaseTransport, timeout_ms: int) -> None
         LOG.debug("cannot set TCP_USER_TIMEOUT: %s", exc)
 
 
-def _peer(transport: asyncio.BaseTransport) -> str:
+def _peer_address(transport: asyncio.BaseTransport) -> tuple[str, int] | None:
+    """The client's (host, port), None for a socket without one."""
     peer = transport.get_extra_info("peername")
-    if isinstance(peer, tuple) and len(peer) >= 2:
-        return f"{peer[0]}:{peer[1]}"
-    return "-"
+    return (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) and len(peer) >= 2 else None
+
+
+def _peer(transport: asyncio.BaseTransport) -> str:
+    address = _peer_address(transport)
+    return f"{address[0]}:{address[1]}" if address is not None else "-"
 
 
 async def start_server(
