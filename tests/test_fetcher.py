@@ -5,6 +5,7 @@ a fetch late, small files asked for one by one."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import trio
 import trio.testing
 from cache_helpers import block_cache
 from fault_proxy import running_fault_proxy
-from hub_helpers import running_hub
+from hub_helpers import HubProcess, running_hub, scrape_metrics
 from test_hub_checksums import manifest_files
 
 from cachefs.cache import BlockCache, BlockKey
@@ -32,7 +33,7 @@ def big_file_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str
     (root / "big.bin").write_bytes(os.urandom(BLOCKS * BLOCK))
     with running_hub(root) as hub:
         entry = manifest_files(hub.url)["big.bin"]
-        yield hub.url, {**entry, "path": root / "big.bin"}
+        yield hub.url, {**entry, "path": root / "big.bin", "hub": hub}
 
 
 def fetcher_for(url: str, cache: BlockCache, fetch_timeout_s: float = 10, stats: Stats | None = None) -> Fetcher:
@@ -112,6 +113,38 @@ async def test_a_read_that_joins_a_fetch_late_gets_its_own_fetch_timeout(
     assert bytes(data) == entry["path"].read_bytes()[:BLOCK]
     assert waited_s > 0.3  # it waited for the read-ahead's fetch, which gave up
     assert stats.fetch_failures == 1  # the read-ahead's
+
+
+def files_and_checksums_requests(hub: HubProcess) -> tuple[float, float]:
+    samples = scrape_metrics(hub)
+    return tuple(  # type: ignore[return-value]
+        sum(value for (name, labels), value in samples.items()
+            if name == "cachefs_hub_requests_total" and dict(labels)["endpoint"] == endpoint)
+        for endpoint in ("files", "checksums")
+    )
+
+
+@pytest.mark.trio
+async def test_a_run_of_blocks_comes_with_its_checksums_in_one_request(
+    big_file_hub: tuple[str, dict], tmp_path: Path
+) -> None:
+    """Read-ahead's run of 4 blocks is checked against the checksums the hub sends in the data
+    answer's header: one request, no checksums request beside it (whose answer the hub would
+    only send once it had hashed a span of 64 blocks)."""
+    url, entry = big_file_hub
+    keys = block_keys(entry, 4)
+    files_before, checksums_before = files_and_checksums_requests(entry["hub"])
+    fetched: dict[BlockKey, bytes] = {}
+    with block_cache(tmp_path, 8 * BLOCK, BLOCK) as cache:
+        fetcher = fetcher_for(url, cache)
+        assert await fetcher.prefetch(keys, 0, [BLOCK] * 4, on_fetched=lambda key, data: fetched.update({key: bytes(data)}))
+    source = entry["path"].read_bytes()
+    assert [fetched[key] for key in keys] == [source[index * BLOCK : (index + 1) * BLOCK] for index in range(4)]
+    deadline = time.monotonic() + 5
+    while (counts := files_and_checksums_requests(entry["hub"]))[0] < files_before + 1:  # logged once sent
+        assert time.monotonic() < deadline, counts
+        await trio.sleep(0.05)
+    assert counts == (files_before + 1, checksums_before)
 
 
 SMALL_FILES = 48
