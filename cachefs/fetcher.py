@@ -69,14 +69,18 @@ PREFETCHED_REMEMBERED = 4096
 HEADER_SUMS_BLOCKS = 64
 # Bytes of small files fetched ahead kept in memory after their write until
 # a reader takes them, so the first read of such a file does not read back
-# and re-verify what was just written. (Not large files' read-ahead: no gain
-# measured there, and it would add to the peak memory of a cold stream.)
+# and re-verify what was just written.
 UNREAD_BYTES = 8 << 20
-# Blocks read ahead that the cache did not admit (full of blocks used more:
-# a dataset larger than the cache) are kept until their first read, up to
-# this many bytes and this long, else their reader fetches them again.
-REJECTED_AHEAD_BYTES = 32 << 20
-REJECTED_AHEAD_AGE_S = 30.0
+# Blocks of large files read ahead are kept after their write until their
+# first read too, up to this many bytes and this long: written with O_DIRECT,
+# they are not in the page cache, and a stream's reader read each back from
+# disk in a worker thread and checked it again (4 readers of 256 MiB, cold,
+# hub on loopback: 476-616 against 319-427 MB/s, daemon 1.3-1.9 against
+# 2.2-3.4 CPU-s). Blocks the cache did not admit (full of blocks used more: a
+# dataset larger than the cache) come first: their reader would fetch them
+# again, where the others' can read them from disk.
+AHEAD_HELD_BYTES = 32 << 20
+AHEAD_HELD_AGE_S = 30.0
 
 
 class _ByteBudget:
@@ -99,22 +103,33 @@ class _ByteBudget:
         self._room = trio.Event()
 
 
-class RejectedAhead:
-    """Blocks fetched ahead of their reader that the cache did not admit, kept in memory
-    until their first read. Bounded: a stream reads them oldest first, so when the bytes
-    are used up the newest are not kept; blocks left unread expire."""
+class FetchedAhead:
+    """Blocks fetched ahead of their reader, kept in memory until their first read.
+
+    Bounded: a stream reads them oldest first, so when the bytes are used up
+    the newest are not kept, except that a block the cache did not admit
+    takes the place of the newest cached ones (those can be read from disk);
+    blocks left unread expire."""
 
     def __init__(self, limit_bytes: int, max_age_s: float) -> None:
         self._limit_bytes = limit_bytes
         self._max_age_s = max_age_s
-        self._blocks: collections.OrderedDict[BlockKey, tuple[BlockData, float]] = collections.OrderedDict()
+        # key -> (bytes, when held, whether the cache has them too)
+        self._blocks: collections.OrderedDict[BlockKey, tuple[BlockData, float, bool]] = collections.OrderedDict()
         self._bytes = 0
 
-    def hold(self, key: BlockKey, data: BlockData, now: float) -> None:
+    def hold(self, key: BlockKey, data: BlockData, now: float, cached: bool) -> None:
         while self._blocks and now - next(iter(self._blocks.values()))[1] >= self._max_age_s:
-            self._bytes -= len(self._blocks.popitem(last=False)[1][0])
-        if key not in self._blocks and self._bytes + len(data) <= self._limit_bytes:
-            self._blocks[key] = (data, now)
+            self.take(next(iter(self._blocks)))
+        if key in self._blocks:
+            return
+        if not cached:
+            for newer in [k for k in reversed(self._blocks) if self._blocks[k][2]]:
+                if self._bytes + len(data) <= self._limit_bytes:
+                    break
+                self.take(newer)
+        if self._bytes + len(data) <= self._limit_bytes:
+            self._blocks[key] = (data, now, cached)
             self._bytes += len(data)
 
     def take(self, key: BlockKey) -> BlockData | None:
@@ -176,7 +191,7 @@ class Fetcher:
         self.prefetched: collections.OrderedDict[BlockKey, None] = collections.OrderedDict()
         self._unread: collections.OrderedDict[BlockKey, BlockData] = collections.OrderedDict()
         self._unread_bytes = 0
-        self._rejected_ahead = RejectedAhead(REJECTED_AHEAD_BYTES, REJECTED_AHEAD_AGE_S)
+        self._fetched_ahead = FetchedAhead(AHEAD_HELD_BYTES, AHEAD_HELD_AGE_S)
         self.prefetch_slots = trio.CapacityLimiter(max(1, prefetch_connections))
         self._write_room = _ByteBudget(WRITE_QUEUE_BYTES)
         self._write_send, self._write_receive = trio.open_memory_channel[tuple[BlockKey, BlockData, bool]](math.inf)
@@ -325,12 +340,12 @@ class Fetcher:
 
     def take_unread(self, key: BlockKey) -> BlockData | None:
         """The bytes of a block read-ahead fetched and no reader has read yet, if still held
-        (a small file fetched ahead, or a block the cache did not admit)."""
+        (a small file fetched ahead, or a block of a stream's read-ahead: see FetchedAhead)."""
         data = self._unread.pop(key, None)
         if data is not None:
             self._unread_bytes -= len(data)
             return data
-        return self._rejected_ahead.take(key)
+        return self._fetched_ahead.take(key)
 
     def _hold_unread(self, key: BlockKey, data: BlockData) -> None:
         """Keep a small file fetched ahead until its first read (unless a reader has it already)."""
@@ -353,7 +368,7 @@ class Fetcher:
         self._discarded.update(key for key in self._flights if predicate(key))
         for key in [key for key in self._unread if predicate(key)]:
             self.take_unread(key)
-        self._rejected_ahead.discard(predicate)
+        self._fetched_ahead.discard(predicate)
 
     async def _run(
         self,
@@ -454,7 +469,7 @@ class Fetcher:
                 try:
                     if kept:
                         await trio.to_thread.run_sync(self._cache.insert_many, kept, ahead)
-                        self._hold_rejected_ahead([(key, data) for key, data, _force in kept if key in ahead])
+                        self._hold_fetched_ahead([(key, data) for key, data, _force in kept if key in ahead])
                 finally:
                     for key, _data, _force in batch:
                         self._flights.pop(key, None)
@@ -463,13 +478,13 @@ class Fetcher:
                     self._batch_written.set()
                     self._batch_written = trio.Event()
 
-    def _hold_rejected_ahead(self, blocks: list[tuple[BlockKey, BlockData]]) -> None:
-        """Keep the blocks read ahead that were not cached (not admitted), not read meanwhile
-        and not held already (small files), until their first read."""
+    def _hold_fetched_ahead(self, blocks: list[tuple[BlockKey, BlockData]]) -> None:
+        """Keep the blocks read ahead that were not read meanwhile and not held already
+        (small files), until their first read."""
         now = trio.current_time()
         for key, data in blocks:
-            if key in self.prefetched and key not in self._unread and not self._cache.contains(key):
-                self._rejected_ahead.hold(key, data, now)
+            if key in self.prefetched and key not in self._unread:
+                self._fetched_ahead.hold(key, data, now, cached=self._cache.contains(key))
 
     async def _verified_range(self, key: BlockKey, start: int, lengths: list[int]) -> list[bytearray]:
         """One attempt: the data, checked against the hub's checksums of it.

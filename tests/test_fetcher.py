@@ -19,7 +19,7 @@ from test_hub_checksums import manifest_files
 
 from cachefs.cache import BlockCache, BlockKey
 from cachefs.config import parse_hub_url
-from cachefs.fetcher import WRITE_QUEUE_BYTES, Fetcher, RejectedAhead
+from cachefs.fetcher import WRITE_QUEUE_BYTES, FetchedAhead, Fetcher
 from cachefs.hub_client import HubClient
 from cachefs.metrics import Stats
 
@@ -198,11 +198,24 @@ async def test_small_files_asked_one_by_one_stay_within_the_prefetch_slots(
 
 def test_blocks_kept_for_their_reader_are_bounded_in_bytes_and_time() -> None:
     """A stream reads them oldest first: when full, the newest are not kept; unread ones expire."""
-    held = RejectedAhead(limit_bytes=2 * BLOCK, max_age_s=30)
+    held = FetchedAhead(limit_bytes=2 * BLOCK, max_age_s=30)
     first, second, third = (BlockKey(b"f" * 8, b"v" * 8, blockno) for blockno in range(3))
     for key in (first, second, third):
-        held.hold(key, bytes(BLOCK), now=0)
+        held.hold(key, bytes(BLOCK), now=0, cached=False)
     assert held.take(third) is None  # no room when it came
     assert held.take(first) is not None and held.take(first) is None  # once
-    held.hold(third, bytes(BLOCK), now=31)  # `second` has waited too long
+    held.hold(third, bytes(BLOCK), now=31, cached=False)  # `second` has waited too long
     assert held.take(second) is None and held.take(third) is not None
+
+
+def test_blocks_the_cache_did_not_admit_take_the_place_of_cached_ones() -> None:
+    """Their reader would fetch them again; a cached block can be read from disk."""
+    held = FetchedAhead(limit_bytes=2 * BLOCK, max_age_s=30)
+    cached_first, cached_second, rejected, cached_third = (BlockKey(b"f" * 8, b"v" * 8, n) for n in range(4))
+    held.hold(cached_first, bytes(BLOCK), now=0, cached=True)
+    held.hold(cached_second, bytes(BLOCK), now=0, cached=True)
+    held.hold(rejected, bytes(BLOCK), now=0, cached=False)  # the newest cached one makes room
+    held.hold(cached_third, bytes(BLOCK), now=0, cached=True)  # no room
+    assert [held.take(key) is not None for key in (cached_first, cached_second, rejected, cached_third)] == [
+        True, False, True, False
+    ]

@@ -533,6 +533,25 @@ def test_read_ahead_reaches_the_last_blocks_of_a_file(tmp_path: Path) -> None:
         assert spoke.stats()["block_misses"] == 2
 
 
+def test_blocks_read_ahead_reach_their_first_reader_from_memory(tmp_path: Path) -> None:
+    """A stream's read-ahead blocks are written to the cache with O_DIRECT (not into the page
+    cache) and held in memory until read: once its first window is cached, reading it reads
+    nothing back from disk."""
+    root, sources = _write_shards(tmp_path / "data", 1, 24)
+    with running_hub(root) as hub, mounted_spoke(hub.url, tmp_path, SPOKE_ARGS) as spoke:
+        fd = os.open(spoke.mountpoint / "shards" / "part-0.bin", os.O_RDONLY | os.O_DIRECT)
+        try:  # single-block reads, each reaching the daemon
+            head = b"".join(os.pread(fd, TEST_BLOCK_SIZE, blockno * TEST_BLOCK_SIZE) for blockno in range(2))
+            wait_for_stats(spoke, lambda stats: stats["cached_blocks"] >= 18)  # and the window's 16 after them
+            window = b"".join(os.pread(fd, TEST_BLOCK_SIZE, blockno * TEST_BLOCK_SIZE) for blockno in range(2, 18))
+        finally:
+            os.close(fd)
+        assert head + window == sources[0][: 18 * TEST_BLOCK_SIZE]
+        stats = spoke.stats()
+    assert stats["readahead_used"] == 16 and stats["block_misses"] == 2
+    assert stats["disk_reads"] == 0, stats
+
+
 def _write_shards(root: Path, count: int, blocks: int) -> tuple[Path, list[bytes]]:
     """`count` files of `blocks` test blocks of random bytes under root/shards; returns root and their bytes."""
     (root / "shards").mkdir(parents=True)
