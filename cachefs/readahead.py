@@ -129,12 +129,19 @@ class _ReaderFiles:
 
     last: Inode  # the last of them
     step: int  # files from the one before to it, in one directory (0: none, or another directory)
-    stride: int  # the step seen twice in a row, else 1: how far ahead its next file is
+    stride: int  # the step seen twice in a row, else 1
 
     @property
     def on_course(self) -> bool:
         """Whether its last move went as far as its stride: then its next file is a good bet."""
         return self.step >= 1 and self.step == self.stride
+
+    @property
+    def next_step(self) -> int:
+        """How far ahead its next file most likely is: as far as its last move, if that was
+        forward in one directory (confirmed or not: a rank that takes every k-th file gets
+        its third file's head on time, not only its fourth's), else the next file."""
+        return self.step if 1 <= self.step <= MAX_STRIDE_FILES else 1
 
 
 class ReadAhead:
@@ -226,9 +233,9 @@ class ReadAhead:
         """A sequential reader near the end of a large file: ask for the head of the
         large file it will read next, so the link does not drain and ramp up again
         at every file boundary. That is the next file in tree order (shards
-        streamed one after the other), or every k-th one for a reader seen to go k
-        files at a time (a rank of a job that shares shards out round robin). If
-        the reader's last move between files went that way too, its window runs on
+        streamed one after the other), or the k-th one for a reader whose last
+        move went k files on (a rank of a job that shares shards out round
+        robin). If the move before went that far too, its window runs on
         into that file: `blocks` blocks of it; else only its first run is asked
         for (readers taking files from a shared queue move irregularly)."""
         if not handle.next_file_asked:
@@ -255,19 +262,19 @@ class ReadAhead:
     def _next_file(self, handle: OpenFile) -> OpenFile | None:
         """The large file the handle's reader will read next (see _read_ahead_next_file), if any."""
         reader = self._readers.get(handle.reader)
-        stride = reader.stride if reader is not None else 1
-        following = self._namespace.files_after(handle.inode, stride)
-        if len(following) < stride:
+        step = reader.next_step if reader is not None else 1
+        following = self._namespace.files_after(handle.inode, step)
+        if len(following) < step:
             return None
-        target = following[stride - 1]
+        target = following[step - 1]
         if target.size <= self.block_size * COALESCE_BLOCKS or self._planned(target):
             return None
         return OpenFile(target)
 
     def _note_stream_start(self, handle: OpenFile) -> None:
         """A reader started reading a file from its first byte: learn how many files it
-        moved on from the last one it did that with, in the same directory. A stride
-        seen twice in a row is used to guess its next file; anything else means 1."""
+        moved on from the last one it did that with, in the same directory (its next
+        file is guessed from that; a move seen twice in a row is its stride)."""
         previous = self._readers.pop(handle.reader, None)
         step = 0
         if previous is not None and previous.last.parent == handle.inode.parent:
