@@ -43,17 +43,19 @@ from .namespace import Inode, Namespace
 
 log = logging.getLogger(__name__)
 
-# Blocks per read-ahead request: 4 x 1 MiB keeps 48 MiB in flight on 12
-# connections, what a 60 ms RTT link needs to carry 800 MB/s.
+# Blocks per read-ahead request: 4 x 1 MiB keeps 64 MiB in flight on 16
+# connections.
 COALESCE_BLOCKS = 4
 # Read-ahead requests in flight at once (streams, fills and sibling batches
 # together, each also holding one of the fetcher's prefetch slots, which a
-# loader's plan shares): bounds read-ahead's buffers to 12 x 4 blocks. A cold
-# sequential read from a hub on loopback peaked at 191-199 MiB RSS with 16
-# (24: 185-193 in an earlier run) against 175-185 MiB with 12, at the same
-# speed; fetched blocks also wait for the cache's writer (~2 ms per MiB of
-# buffered write on this machine), so fewer in flight leaves room for them.
-READAHEAD_RUNS_IN_FLIGHT = 12
+# loader's plan shares): bounds read-ahead's buffers to 16 x 4 blocks. The runs
+# in flight share the link and end at about the same time, so a stream moves
+# about W / (RTT + W / link rate) with W of them in flight: at 60 ms and ~1.1
+# GB/s, 440 MB/s with 48 MiB, 540 with 64. Measured cold, one reader at 60 ms
+# uncapped: 519-549 MB/s with 16 against 483-502 with 12 (four readers 556-620
+# against 530-582), peak RSS 110-137 against 95-129 MiB. (On an earlier VM,
+# whose disk wrote slowly, 16 peaked at 191-199 MiB against 175-185 with 12.)
+READAHEAD_RUNS_IN_FLIGHT = 16
 # Sequential reads in a row before read-ahead starts (the first read of a
 # file says nothing about the next, and two random samples that happen to be
 # adjacent do not make a stream: with 2, a loader's chance pairs set off
