@@ -85,17 +85,28 @@ AHEAD_HELD_AGE_S = 30.0
 
 class _ByteBudget:
     """Bytes taken and not yet given back, at most `limit` (one taker larger than the limit
-    waits until nothing else is taken). For tasks of one trio run: no locking."""
+    waits until nothing else is taken); `waiting` takers wait for room. For tasks of one
+    trio run: no locking."""
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._taken = 0
+        self.waiting = 0
         self._room = trio.Event()
 
     async def take(self, size: int) -> None:
-        while self._taken and self._taken + size > self._limit:
-            await self._room.wait()
+        self.waiting += 1
+        try:
+            while self._taken and self._taken + size > self._limit:
+                await self._room.wait()
+        finally:
+            self.waiting -= 1
         self._taken += size
+
+    async def wait_for_fewer_waiting(self, count: int) -> None:
+        """Until fewer than `count` takers wait for room."""
+        while self.waiting >= count:
+            await self._room.wait()
 
     def give_back(self, size: int) -> None:
         self._taken -= size
@@ -195,6 +206,11 @@ class Fetcher:
         self.prefetch_slots = trio.CapacityLimiter(max(1, prefetch_connections))
         self._write_room = _ByteBudget(WRITE_QUEUE_BYTES)
         self._write_send, self._write_receive = trio.open_memory_channel[tuple[BlockKey, BlockData, bool]](math.inf)
+
+    async def writer_backlog_below(self, fetches: int) -> None:
+        """Wait until fewer than `fetches` fetches hold fetched blocks that wait for the cache
+        writer's room (each holds its bytes meanwhile)."""
+        await self._write_room.wait_for_fewer_waiting(fetches)
 
     def flight(self, key: BlockKey) -> Flight | None:
         """The block's flight if it is being fetched or written."""

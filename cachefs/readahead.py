@@ -28,10 +28,11 @@ a loader's plan covers (planner.py knows what comes next).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import trio
@@ -56,6 +57,13 @@ COALESCE_BLOCKS = 4
 # against 530-582), peak RSS 110-137 against 95-129 MiB. (On an earlier VM,
 # whose disk wrote slowly, 16 peaked at 191-199 MiB against 175-185 with 12.)
 READAHEAD_RUNS_IN_FLIGHT = 16
+# Read-ahead starts no run while this many fetches wait for the cache writer's
+# room with their blocks: the disk is behind the link (a hub on loopback, a
+# fast link), and more runs would only wait in memory. Cold, hub on loopback,
+# one reader then four (files of 128 MiB): peak RSS 157-166 MiB against
+# 197-201 without; at 60 ms the runs wait only for moments, and one reader
+# moved 472-510 MB/s against 470-494 with 12 runs and no such wait.
+WRITER_BACKLOG_RUNS = 8
 # Sequential reads in a row before read-ahead starts (the first read of a
 # file says nothing about the next, and two random samples that happen to be
 # adjacent do not make a stream: with 2, a loader's chance pairs set off
@@ -429,7 +437,7 @@ class ReadAhead:
         """Fetch the small files of `files` (`queued`: their block 0, in order) that are neither
         cached nor in flight, with one request."""
         try:
-            async with self._runs, self._fetcher.prefetch_slots:
+            async with self._slot():
                 fetched = self._fetcher.in_flight_or_cached
                 missing = [(key, inode) for key, inode in zip(queued, files, strict=True) if not fetched(key)]
                 if missing:
@@ -439,6 +447,14 @@ class ReadAhead:
                         log.debug("sibling prefetch of %d files failed", len(missing))
         finally:
             self._queued.difference_update(queued)
+
+    @contextlib.asynccontextmanager
+    async def _slot(self) -> AsyncIterator[None]:
+        """One of read-ahead's runs in flight and one of the fetcher's prefetch slots, once
+        the cache writer is not too far behind (WRITER_BACKLOG_RUNS)."""
+        async with self._runs, self._fetcher.prefetch_slots:
+            await self._fetcher.writer_backlog_below(WRITER_BACKLOG_RUNS)
+            yield
 
     @staticmethod
     def _keys(inode: Inode, first: int, stop: int) -> list[BlockKey]:
@@ -469,7 +485,7 @@ class ReadAhead:
     async def _prefetch_run(self, handle: OpenFile, first: int, stop: int, queued: list[BlockKey]) -> None:
         """Fetch the blocks of [first, stop) that are neither cached nor in flight (contiguous runs, one request each)."""
         try:
-            async with self._runs, self._fetcher.prefetch_slots:
+            async with self._slot():
                 if handle.closed:
                     return
                 for run_first, keys, lengths in self._missing_runs(handle.inode, first, stop):

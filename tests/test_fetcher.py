@@ -66,6 +66,36 @@ async def test_a_prefetch_cancelled_waiting_for_the_writer_leaves_no_flight(
 
 
 @pytest.mark.trio
+async def test_the_writer_backlog_counts_the_fetches_waiting_for_its_room(
+    big_file_hub: tuple[str, dict], tmp_path: Path
+) -> None:
+    """Read-ahead waits to start runs while the cache writer is behind (`writer_backlog_below`):
+    with the writer stopped, 4 runs of 4 blocks fill its room and 2 more wait; once it runs,
+    none does."""
+    url, entry = big_file_hub
+    keys = block_keys(entry, 24)
+    with block_cache(tmp_path, 4 * BLOCKS * BLOCK, BLOCK) as cache:
+        fetcher = fetcher_for(url, cache)
+        async with trio.open_nursery() as nursery:
+            for first in range(0, 24, 4):
+                nursery.start_soon(fetcher.prefetch, keys[first : first + 4], first * BLOCK, [BLOCK] * 4)
+            await trio.testing.wait_all_tasks_blocked()  # every run has its flights
+            with trio.fail_after(10):
+                for key in keys:  # all fetched: 16 blocks queued for the writer, 2 runs waiting
+                    await fetcher.flight(key).done.wait()  # type: ignore[union-attr]
+                await fetcher.writer_backlog_below(3)
+            with trio.move_on_after(0.3) as waited:
+                await fetcher.writer_backlog_below(2)
+            assert waited.cancelled_caught
+            await nursery.start(fetcher.run_writer)
+            with trio.fail_after(10):
+                await fetcher.writer_backlog_below(1)
+                await fetcher.written(set(keys))
+            nursery.cancel_scope.cancel()
+        assert all(cache.contains(key) for key in keys)
+
+
+@pytest.mark.trio
 async def test_an_evict_during_a_fetch_that_fails_spares_the_next_fetch(
     big_file_hub: tuple[str, dict], tmp_path: Path
 ) -> None:
