@@ -96,11 +96,15 @@ class _ByteBudget:
 
     async def take(self, size: int) -> None:
         self.waiting += 1
+        waited = False
         try:
             while self._taken and self._taken + size > self._limit:
+                waited = True
                 await self._room.wait()
         finally:
             self.waiting -= 1
+            if waited:  # got room or was cancelled: one fewer waits (wait_for_fewer_waiting)
+                self._wake()
         self._taken += size
 
     async def wait_for_fewer_waiting(self, count: int) -> None:
@@ -110,6 +114,10 @@ class _ByteBudget:
 
     def give_back(self, size: int) -> None:
         self._taken -= size
+        self._wake()
+
+    def _wake(self) -> None:
+        """Have everyone waiting on the budget look again."""
         self._room.set()
         self._room = trio.Event()
 

@@ -50,3 +50,34 @@ async def test_a_taker_larger_than_the_limit_waits_until_nothing_is_taken() -> N
     with trio.move_on_after(0.2) as scope:  # and then it alone holds the budget
         await budget.take(1)
     assert scope.cancelled_caught
+
+
+@pytest.mark.trio
+async def test_fewer_waiting_is_seen_when_a_waiting_taker_gives_up() -> None:
+    """The writer-backlog wait (`wait_for_fewer_waiting`) ends when a taker that waited
+    is cancelled, with nothing given back: it must not rely on a later give_back."""
+    budget = _ByteBudget(100)
+    await budget.take(100)
+    async with trio.open_nursery() as nursery:
+        giving_up = trio.CancelScope()
+
+        async def taker() -> None:
+            with giving_up:
+                await budget.take(10)
+
+        nursery.start_soon(taker)
+        await trio.testing.wait_all_tasks_blocked()
+        assert budget.waiting == 1
+        fewer = trio.Event()
+
+        async def backlog_wait() -> None:
+            await budget.wait_for_fewer_waiting(1)
+            fewer.set()
+
+        nursery.start_soon(backlog_wait)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not fewer.is_set()
+        giving_up.cancel()
+        with trio.fail_after(5):
+            await fewer.wait()
+        assert budget.waiting == 0
