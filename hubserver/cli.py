@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=None,
         metavar="N",
-        help="connections beyond N from one client address get a 503 and are closed "
+        help="connections beyond N from one client address (an IPv6 client: its /64) get a 503 and are closed "
         "(default: three quarters of --max-connections; a regional cache or a NAT gateway in front of the spokes "
         "is one client)",
     )

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ipaddress
 import logging
 import socket
 import ssl
@@ -270,7 +271,7 @@ class HubRequestHandler(RequestHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         address = _peer_address(transport)
-        self._client = address[0] if address is not None else "-"
+        self._client = client_of(address[0]) if address is not None else "-"
         if not self._limits.admit(self._client):
             self._refused_transport = transport  # type: ignore[assignment]
             self._timer = self._loop.call_later(_REFUSAL_GRACE_S, self._send_refusal)
@@ -385,6 +386,21 @@ def _set_send_timeout(transport: asyncio.BaseTransport, timeout_ms: int) -> None
         sock.setsockopt(socket.IPPROTO_TCP, option, timeout_ms)
     except OSError as exc:
         LOG.debug("cannot set TCP_USER_TIMEOUT: %s", exc)
+
+
+def client_of(host: str) -> str:
+    """The client a connection's address belongs to, for the per-client limit: an IPv4
+    address (also one a dual-stack socket shows as ::ffff:a.b.c.d), or an IPv6 address's
+    /64 (one host or LAN gets a whole /64 and picks addresses in it at will)."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 def _peer_address(transport: asyncio.BaseTransport) -> tuple[str, int] | None:

@@ -44,6 +44,7 @@ from hypothesis import strategies as st
 
 from hubserver.auth import TokenFileError, TokenStore, read_token_file
 from hubserver.cli import main
+from hubserver.server import client_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -977,3 +978,31 @@ def test_fuzzed_requests_never_leak_crash_or_hang(fuzz_hub: HubProcess, dataset:
     log = fuzz_hub.stderr_text()
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
     assert SECRET_MARKER.decode() not in log
+
+
+def test_a_client_is_its_ipv4_address_or_its_ipv6_64() -> None:
+    """Per-client limits count an IPv4 client seen through a dual-stack socket as that IPv4
+    address, and an IPv6 client as its /64 (it can pick any address in it)."""
+    assert client_of("192.0.2.7") == "192.0.2.7"
+    assert client_of("::ffff:192.0.2.7") == "192.0.2.7"
+    assert client_of("2001:db8:1:2:aaaa::1") == client_of("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
+    assert client_of("2001:db8:1:3::1") == "2001:db8:1:3::/64"
+    assert client_of("fe80::1%eth0") == "fe80::/64"
+    assert client_of("-") == "-"
+
+
+def test_a_dual_stack_hub_counts_ipv4_clients_by_their_ipv4_address(dataset: Dataset) -> None:
+    with running_hub(dataset.root, ["--listen", "[::]:0", "--max-connections", "8", "--max-connections-per-client", "2"]) as hub:
+        held = [http.client.HTTPConnection("127.0.0.1", hub.port, timeout=5) for _ in range(2)]
+        try:
+            for conn in held:
+                conn.request("GET", "/healthz")
+                assert conn.getresponse().read()
+            data, closed = raw_exchange("127.0.0.1", hub.port, b"GET /healthz HTTP/1.1\r\nHost: hub\r\n\r\n")
+            assert closed and data.startswith(b"HTTP/1.1 503 ")
+            data, closed = raw_exchange("::1", hub.port, b"GET /healthz HTTP/1.1\r\nHost: hub\r\nConnection: close\r\n\r\n")
+            assert data.startswith(b"HTTP/1.1 200 ")  # another client
+        finally:
+            for conn in held:
+                conn.close()
+    assert "2 open from 127.0.0.1, the most --max-connections-per-client allows" in hub.stderr_text()
