@@ -376,8 +376,9 @@ class Fetcher:
         return self._fetched_ahead.take(key)
 
     def _hold_unread(self, key: BlockKey, data: BlockData) -> None:
-        """Keep a small file fetched ahead until its first read (unless a reader has it already)."""
-        if key not in self.prefetched:
+        """Keep a small file fetched ahead until its first read (unless a reader has it
+        already, or an evict or purge dropped it while it was being fetched)."""
+        if key not in self.prefetched or key in self._discarded:
             return
         self.take_unread(key)  # a block fetched again replaces its bytes
         self._unread[key] = data
@@ -507,11 +508,12 @@ class Fetcher:
                     self._batch_written = trio.Event()
 
     def _hold_fetched_ahead(self, blocks: list[tuple[BlockKey, BlockData]]) -> None:
-        """Keep the blocks read ahead that were not read meanwhile and not held already
-        (small files), until their first read."""
+        """Keep the blocks read ahead that were not read meanwhile, not held already (small
+        files) and not dropped by an evict or purge while they were written, until their
+        first read."""
         now = trio.current_time()
         for key, data in blocks:
-            if key in self.prefetched and key not in self._unread:
+            if key in self.prefetched and key not in self._unread and key not in self._discarded:
                 self._fetched_ahead.hold(key, data, now, cached=self._cache.contains(key))
 
     async def _verified_range(self, key: BlockKey, start: int, lengths: list[int]) -> list[bytearray]:

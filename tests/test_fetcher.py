@@ -5,6 +5,7 @@ a fetch late, small files asked for one by one."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -236,6 +237,36 @@ def test_blocks_kept_for_their_reader_are_bounded_in_bytes_and_time() -> None:
     assert held.take(first) is not None and held.take(first) is None  # once
     held.hold(third, bytes(BLOCK), now=31, cached=False)  # `second` has waited too long
     assert held.take(second) is None and held.take(third) is not None
+
+
+@pytest.mark.trio
+async def test_blocks_evicted_while_the_writer_commits_them_are_not_held_for_their_reader(
+    big_file_hub: tuple[str, dict], tmp_path: Path
+) -> None:
+    """`cachefs evict` (or purge) while the cache writer is writing a stream's read-ahead
+    blocks: they are not kept in memory for their reader, whose next read fetches them again."""
+    url, entry = big_file_hub
+    keys = block_keys(entry, 4)
+    with block_cache(tmp_path, 16 * BLOCK, BLOCK) as cache:
+        in_write, go_on = threading.Event(), threading.Event()
+        write = cache.store.write
+
+        def held_up_write(key: BlockKey, data: bytes) -> None:
+            in_write.set()
+            go_on.wait(10)
+            write(key, data)
+
+        cache.store.write = held_up_write  # type: ignore[method-assign]
+        fetcher = fetcher_for(url, cache)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(fetcher.run_writer)
+            assert await fetcher.prefetch(keys, 0, [BLOCK] * len(keys))
+            assert await trio.to_thread.run_sync(in_write.wait, 10)  # the writer is writing them
+            fetcher.discard_pending(lambda key: key.file_id == keys[0].file_id)  # what evict does first
+            go_on.set()
+            await fetcher.written(set(keys), timeout_s=10)
+            nursery.cancel_scope.cancel()
+        assert [fetcher.take_unread(key) for key in keys] == [None] * len(keys)
 
 
 def test_blocks_the_cache_did_not_admit_take_the_place_of_cached_ones() -> None:
