@@ -131,29 +131,48 @@ class FetchedAhead:
 
     Bounded: a stream reads them oldest first, so when the bytes are used up
     the newest are not kept, except that a block the cache did not admit
-    takes the place of the newest cached ones (those can be read from disk);
-    blocks left unread expire."""
+    takes the place of the newest cached ones (those can be read from disk),
+    and that blocks held `stale_s` or longer make room for new ones (a wrong
+    guess of a reader's next file, a stream given up: nobody is coming for
+    them); blocks left unread expire after `max_age_s`."""
 
-    def __init__(self, limit_bytes: int, max_age_s: float) -> None:
+    def __init__(self, limit_bytes: int, max_age_s: float, stale_s: float = 5.0) -> None:
         self._limit_bytes = limit_bytes
         self._max_age_s = max_age_s
+        self._stale_s = stale_s
         # key -> (bytes, when held, whether the cache has them too)
         self._blocks: collections.OrderedDict[BlockKey, tuple[BlockData, float, bool]] = collections.OrderedDict()
         self._bytes = 0
 
     def hold(self, key: BlockKey, data: BlockData, now: float, cached: bool) -> None:
-        while self._blocks and now - next(iter(self._blocks.values()))[1] >= self._max_age_s:
-            self.take(next(iter(self._blocks)))
+        self._expire(now, self._max_age_s)
         if key in self._blocks:
             return
-        if not cached:
-            for newer in [k for k in reversed(self._blocks) if self._blocks[k][2]]:
-                if self._bytes + len(data) <= self._limit_bytes:
-                    break
-                self.take(newer)
+        if self._bytes + len(data) > self._limit_bytes:
+            self._expire(now, self._stale_s, room_for=len(data))
+        if not cached and self._bytes + len(data) > self._limit_bytes:
+            self._displace_cached(len(data))
         if self._bytes + len(data) <= self._limit_bytes:
             self._blocks[key] = (data, now, cached)
             self._bytes += len(data)
+
+    def _expire(self, now: float, age_s: float, room_for: int | None = None) -> None:
+        """Drop the oldest blocks held `age_s` or longer (only until `room_for` more bytes fit, if given)."""
+        while self._blocks and now - next(iter(self._blocks.values()))[1] >= age_s:
+            if room_for is not None and self._bytes + room_for <= self._limit_bytes:
+                return
+            self.take(next(iter(self._blocks)))
+
+    def _displace_cached(self, size: int) -> None:
+        """Make room for `size` bytes of a block the cache refused by dropping the newest held
+        blocks the cache has (readable from disk); none if that cannot make enough room."""
+        cached = [key for key in reversed(self._blocks) if self._blocks[key][2]]
+        if self._bytes - sum(len(self._blocks[key][0]) for key in cached) + size > self._limit_bytes:
+            return
+        for key in cached:
+            if self._bytes + size <= self._limit_bytes:
+                return
+            self.take(key)
 
     def take(self, key: BlockKey) -> BlockData | None:
         held = self._blocks.pop(key, None)

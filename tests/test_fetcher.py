@@ -239,6 +239,30 @@ def test_blocks_kept_for_their_reader_are_bounded_in_bytes_and_time() -> None:
     assert held.take(second) is None and held.take(third) is not None
 
 
+def test_blocks_held_long_make_room_for_new_ones() -> None:
+    """A block nobody came for in `stale_s` (a wrong guess of the next file, a stream given up)
+    does not keep the stream's new blocks out: the oldest such make room, only as much as needed."""
+    held = FetchedAhead(limit_bytes=2 * BLOCK, max_age_s=30, stale_s=5)
+    first, second, third, fourth = (BlockKey(b"f" * 8, b"v" * 8, blockno) for blockno in range(4))
+    held.hold(first, bytes(BLOCK), now=0, cached=True)
+    held.hold(second, bytes(BLOCK), now=1, cached=True)
+    held.hold(third, bytes(BLOCK), now=4, cached=True)  # full, and nothing stale: not kept
+    assert held.take(third) is None
+    held.hold(fourth, bytes(BLOCK), now=5.5, cached=True)  # `first` waited 5 s: it makes room
+    assert [held.take(key) is not None for key in (first, second, fourth)] == [False, True, True]
+
+
+def test_cached_blocks_are_not_dropped_for_a_refused_one_that_would_not_fit_anyway() -> None:
+    held = FetchedAhead(limit_bytes=4 * BLOCK, max_age_s=30)
+    refused = [BlockKey(b"f" * 8, b"v" * 8, n) for n in range(3)]
+    cached, too_large = BlockKey(b"f" * 8, b"v" * 8, 3), BlockKey(b"f" * 8, b"v" * 8, 4)
+    for key in refused:
+        held.hold(key, bytes(BLOCK), now=0, cached=False)
+    held.hold(cached, bytes(BLOCK // 2), now=0, cached=True)
+    held.hold(too_large, bytes(2 * BLOCK), now=0, cached=False)  # 0.5 free, 1 even without `cached`
+    assert held.take(too_large) is None and held.take(cached) is not None
+
+
 @pytest.mark.trio
 async def test_blocks_evicted_while_the_writer_commits_them_are_not_held_for_their_reader(
     big_file_hub: tuple[str, dict], tmp_path: Path
