@@ -28,7 +28,7 @@ import functools
 import logging
 import math
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
@@ -242,6 +242,23 @@ class Fetcher:
         """Wait until fewer than `fetches` fetches hold fetched blocks that wait for the cache
         writer's room (each holds its bytes meanwhile)."""
         await self._write_room.wait_for_fewer_waiting(fetches)
+
+    @contextlib.asynccontextmanager
+    async def prefetch_slot(self, writer_backlog_below: int) -> AsyncIterator[None]:
+        """One of `prefetch_slots`, held only while fewer than `writer_backlog_below` fetches
+        wait for the cache writer's room (read-ahead: more runs would only wait in memory).
+        It waits for the writer without a slot: the plan's prefetch and sibling batches
+        keep the connections meanwhile."""
+        while True:
+            await self.writer_backlog_below(writer_backlog_below)
+            await self.prefetch_slots.acquire()
+            if self._write_room.waiting < writer_backlog_below:
+                break
+            self.prefetch_slots.release()  # the backlog grew while this waited for the slot
+        try:
+            yield
+        finally:
+            self.prefetch_slots.release()
 
     def flight(self, key: BlockKey) -> Flight | None:
         """The block's flight if it is being fetched or written."""

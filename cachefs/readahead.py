@@ -452,8 +452,7 @@ class ReadAhead:
     async def _slot(self) -> AsyncIterator[None]:
         """One of read-ahead's runs in flight and one of the fetcher's prefetch slots, once
         the cache writer is not too far behind (WRITER_BACKLOG_RUNS)."""
-        async with self._runs, self._fetcher.prefetch_slots:
-            await self._fetcher.writer_backlog_below(WRITER_BACKLOG_RUNS)
+        async with self._runs, self._fetcher.prefetch_slot(writer_backlog_below=WRITER_BACKLOG_RUNS):
             yield
 
     @staticmethod

@@ -97,6 +97,42 @@ async def test_the_writer_backlog_counts_the_fetches_waiting_for_its_room(
 
 
 @pytest.mark.trio
+async def test_read_ahead_waiting_for_the_writer_holds_no_prefetch_slot(
+    big_file_hub: tuple[str, dict], tmp_path: Path
+) -> None:
+    """While the cache writer is behind, read-ahead's next run waits without one of the
+    fetcher's prefetch connections (the plan's prefetch and sibling batches keep them all),
+    and gets one once the writer catches up."""
+    url, entry = big_file_hub
+    keys = block_keys(entry, 24)
+    with block_cache(tmp_path, 4 * BLOCKS * BLOCK, BLOCK) as cache:
+        fetcher = fetcher_for(url, cache)
+        slots = fetcher.prefetch_slots
+        got_slot = trio.Event()
+
+        async def read_ahead_run() -> None:
+            async with fetcher.prefetch_slot(writer_backlog_below=2):
+                assert slots.borrowed_tokens == 1
+                got_slot.set()
+
+        async with trio.open_nursery() as nursery:
+            for first in range(0, 24, 4):  # the writer stopped: its room full, 2 runs waiting
+                nursery.start_soon(fetcher.prefetch, keys[first : first + 4], first * BLOCK, [BLOCK] * 4)
+            await trio.testing.wait_all_tasks_blocked()  # every run has its flights
+            with trio.fail_after(10):
+                for key in keys:
+                    await fetcher.flight(key).done.wait()  # type: ignore[union-attr]
+            nursery.start_soon(read_ahead_run)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not got_slot.is_set() and slots.borrowed_tokens == 0
+            await nursery.start(fetcher.run_writer)
+            with trio.fail_after(10):
+                await got_slot.wait()
+            nursery.cancel_scope.cancel()
+        assert slots.borrowed_tokens == 0
+
+
+@pytest.mark.trio
 async def test_an_evict_during_a_fetch_that_fails_spares_the_next_fetch(
     big_file_hub: tuple[str, dict], tmp_path: Path
 ) -> None:
