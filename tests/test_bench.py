@@ -331,6 +331,28 @@ def test_targets_and_tables() -> None:
     assert warm_caps(scenarios[1]["results"]) == ["--small-files", "5"]  # the cold run read only 5
 
 
+def test_cold_targets_show_what_the_link_itself_carried() -> None:
+    """A cold row names the link's own rate (curl); falling short on a link slower than the target says so."""
+    scenarios = [
+        _scenario("local", None, "", 2000, 0.1, 800),
+        _scenario("cachefs", "capped", "cold", 120, 70, 400),
+        _scenario("cachefs", "uncapped", "cold", 300, 70, 400),
+    ]
+    ceilings = [{"link": "capped", "streams": 8, "mb_per_s": 121.3}, {"link": "uncapped", "streams": 8, "mb_per_s": 386.4},
+                {"link": "direct", "streams": 8, "mb_per_s": 1894.0}]
+    capped, uncapped = targets.evaluate(scenarios, ceilings)[:2]
+    assert capped["met"] is True and not capped["link_below_target"]
+    assert capped["measured"].endswith("; the link itself carried 121 MB/s (8 curl GETs)")
+    assert uncapped["met"] is False and uncapped["link_below_target"]
+    table = report.targets_table([capped, uncapped])
+    assert table.count("the link carried less than the target in this run") == 1
+    ceilings[1]["mb_per_s"] = 1219.0  # a link that carries the target: a plain "no"
+    uncapped = targets.evaluate(scenarios, ceilings)[1]
+    assert uncapped["met"] is False and not uncapped["link_below_target"]
+    assert "carried less" not in report.targets_table([uncapped])
+    assert "link itself" not in targets.evaluate(scenarios)[1]["measured"]  # no ceilings measured: as before
+
+
 def test_side_by_side_alternates_local_and_mount_reads(local_dataset: Path) -> None:
     """Each workload reads its files once per round on each side (here the same directory twice)."""
     paired = side_by_side.alternate(local_dataset, local_dataset, time_limit_s=30, rounds=3)

@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
             "link_ceilings": ceilings,
             "scenarios": bench.scenarios,
             "prewarms": bench.prewarms,
-            "targets": targets.evaluate(bench.scenarios),
+            "targets": targets.evaluate(bench.scenarios, ceilings),
         }
     results["plot"] = _plot(results["scenarios"], out_dir)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")

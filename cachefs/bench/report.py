@@ -185,9 +185,15 @@ def _median_and_range(side: dict[str, Any]) -> str:
 
 
 def targets_table(targets: Sequence[dict[str, Any]]) -> str:
-    rows = [[target["target"], target["measured"], {True: "yes", False: "**no**", None: "n/a"}[target["met"]]]
-            for target in targets]
+    rows = [[target["target"], target["measured"], _verdict(target)] for target in targets]
     return _table(["target", "measured", "met"], rows)
+
+
+def _verdict(target: dict[str, Any]) -> str:
+    verdict = {True: "yes", False: "**no**", None: "n/a"}[target["met"]]
+    if target["met"] is False and target.get("link_below_target"):
+        verdict += " (the link carried less than the target in this run)"
+    return verdict
 
 
 def ceilings_table(ceilings: Sequence[dict[str, Any]]) -> str:
