@@ -193,11 +193,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_security_options(args: argparse.Namespace) -> None:
-    """Options that only make sense together; raises UserError."""
+    """Options that only make sense together (TLS files, connection limits); raises UserError."""
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UserError("--tls-cert and --tls-key go together")
     if args.tls_client_ca is not None and args.tls_cert is None:
         raise UserError("--tls-client-ca needs --tls-cert and --tls-key")
+    per_client = args.max_connections_per_client
+    if per_client is not None and per_client > args.max_connections:
+        raise UserError(
+            f"--max-connections-per-client {per_client} is above --max-connections {args.max_connections}: "
+            "one client could never have that many; raise --max-connections too"
+        )
 
 
 def check_root(root: Path) -> Path:

@@ -410,6 +410,12 @@ def test_limits_options_are_checked(
     assert len(result.stderr.splitlines()) == 1
 
 
+def test_a_per_client_limit_above_the_total_is_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, 600 per client with 512 in all was accepted and silently meant 512."""
+    args: list[str | Path] = ["serve", "--root", tmp_path, "--max-connections", "512", "--max-connections-per-client", "600"]
+    assert_one_line_error(run_cli_in_process(args, capsys), "--max-connections-per-client 600 is above --max-connections 512")
+
+
 # --------------------------------------------------------------- TLS
 
 
