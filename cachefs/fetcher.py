@@ -60,7 +60,16 @@ MAX_BACKOFF_S = 5.0
 # against 178-182 MB, the same speed (small files too).
 WRITE_QUEUE_BYTES = 16 << 20
 WRITE_BATCH_BYTES = WRITE_QUEUE_BYTES // 2
+# Read-ahead's word that a block's first read is coming (admission counts
+# that read; a read of it counts as read-ahead used) holds for this many
+# blocks and this long after the block was asked for. A wrong guess of a
+# reader's next file, or a stream given up, left its blocks counted as
+# coming until 4,096 newer ones were read ahead (4 GiB of 1 MiB blocks):
+# meanwhile the cached ones outweighed blocks a reader had used as eviction
+# victims. 60 s: a window (at most 64 MiB) is read within it by any reader
+# faster than ~1 MB/s; twice what read-ahead blocks are held in memory.
 PREFETCHED_REMEMBERED = 4096
+PREFETCHED_MAX_AGE_S = 60.0
 # Runs of up to this many blocks (the hub's limit) ask for their checksums in
 # the data answer's header: the hub hashes just those blocks (and so reads them
 # into its page cache for the send) instead of a span of 64 before answering a
@@ -186,6 +195,39 @@ class FetchedAhead:
             self.take(key)
 
 
+class ReadAheadClaims:
+    """Blocks read ahead and not read yet, each with when it was asked for: at most
+    `limit` of them (the oldest are forgotten), none asked for `max_age_s` ago or earlier."""
+
+    def __init__(self, limit: int, max_age_s: float) -> None:
+        self._limit = limit
+        self._max_age_s = max_age_s
+        self._asked: collections.OrderedDict[BlockKey, float] = collections.OrderedDict()
+
+    def add(self, key: BlockKey, now: float) -> None:
+        self._asked[key] = now
+        self._asked.move_to_end(key)
+        while len(self._asked) > self._limit:
+            self._asked.popitem(last=False)
+        self._expire(now)
+
+    def pop(self, key: BlockKey) -> bool:
+        """Whether the block was read ahead (and not read since); it is not any more."""
+        return self._asked.pop(key, None) is not None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._asked
+
+    def current(self, now: float) -> frozenset[BlockKey]:
+        """The blocks whose read is still counted as coming."""
+        self._expire(now)
+        return frozenset(self._asked)
+
+    def _expire(self, now: float) -> None:
+        while self._asked and now - next(iter(self._asked.values())) >= self._max_age_s:
+            self._asked.popitem(last=False)
+
+
 class Flight:
     """One block being fetched (and then written); waiters use `done`."""
 
@@ -230,7 +272,7 @@ class Fetcher:
         # Blocks fetched by read-ahead and not read yet, to count how many are
         # used and for admission, which counts their reads as coming (bounded:
         # the oldest are forgotten).
-        self.prefetched: collections.OrderedDict[BlockKey, None] = collections.OrderedDict()
+        self.prefetched = ReadAheadClaims(PREFETCHED_REMEMBERED, PREFETCHED_MAX_AGE_S)
         self._unread: collections.OrderedDict[BlockKey, BlockData] = collections.OrderedDict()
         self._unread_bytes = 0
         self._fetched_ahead = FetchedAhead(AHEAD_HELD_BYTES, AHEAD_HELD_AGE_S)
@@ -392,14 +434,13 @@ class Fetcher:
     def _prefetch_flights(self, keys: Sequence[BlockKey], count_readahead: bool) -> list[Flight]:
         """New flights for blocks read-ahead is about to fetch."""
         flights = []
+        now = trio.current_time()
         for key in keys:
             if key in self._flights:
                 raise ValueError(f"{key} is already in flight")
             flights.append(self._flights.setdefault(key, Flight()))
             if count_readahead:
-                self.prefetched[key] = None
-        while len(self.prefetched) > PREFETCHED_REMEMBERED:
-            self.prefetched.popitem(last=False)
+                self.prefetched.add(key, now)
         return flights
 
     def take_unread(self, key: BlockKey) -> BlockData | None:
@@ -530,7 +571,7 @@ class Fetcher:
                         break
                     batch_bytes += len(batch[-1][1])
                 kept = [item for item in batch if item[0] not in self._discarded]
-                ahead = frozenset(self.prefetched)  # read ahead and not read yet, offered or cached
+                ahead = self.prefetched.current(trio.current_time())  # read ahead, not read yet: offered or cached
                 try:
                     if kept:
                         await trio.to_thread.run_sync(self._cache.insert_many, kept, ahead)

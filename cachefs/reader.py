@@ -168,7 +168,7 @@ class Reader:
         bytes if they are at hand: held by the planner, or fetched ahead and not yet read."""
         self._cache.sketch.record(key)
         planned = self.on_block(key) if self.on_block is not None else None
-        if self._fetcher.prefetched.pop(key, False) is None:
+        if self._fetcher.prefetched.pop(key):
             self._stats.readahead_used += 1
             unread = self._fetcher.take_unread(key)
             return planned if planned is not None else unread

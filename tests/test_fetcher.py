@@ -20,7 +20,7 @@ from test_hub_checksums import manifest_files
 
 from cachefs.cache import BlockCache, BlockKey
 from cachefs.config import parse_hub_url
-from cachefs.fetcher import WRITE_QUEUE_BYTES, FetchedAhead, Fetcher
+from cachefs.fetcher import PREFETCHED_MAX_AGE_S, WRITE_QUEUE_BYTES, FetchedAhead, Fetcher, ReadAheadClaims
 from cachefs.hub_client import HubClient
 from cachefs.metrics import Stats
 
@@ -273,6 +273,38 @@ def test_blocks_kept_for_their_reader_are_bounded_in_bytes_and_time() -> None:
     assert held.take(first) is not None and held.take(first) is None  # once
     held.hold(third, bytes(BLOCK), now=31, cached=False)  # `second` has waited too long
     assert held.take(second) is None and held.take(third) is not None
+
+
+def test_read_ahead_claims_are_bounded_in_count_and_age() -> None:
+    """A block read ahead and never read (a wrong guess of the next file, a stream given up) stops
+    counting as coming after max_age_s, not only once `limit` newer blocks were read ahead."""
+    claims = ReadAheadClaims(limit=3, max_age_s=60)
+    keys = [BlockKey(b"f" * 8, b"v" * 8, blockno) for blockno in range(5)]
+    claims.add(keys[0], now=0)
+    claims.add(keys[1], now=10)
+    assert claims.current(59.9) == {keys[0], keys[1]}
+    assert claims.current(60) == {keys[1]} and keys[0] not in claims
+    for key in keys[2:]:
+        claims.add(key, now=61)
+    assert claims.current(61) == set(keys[2:])  # at most 3: the oldest is forgotten
+    assert claims.pop(keys[3]) and not claims.pop(keys[3]) and keys[3] not in claims
+
+
+@pytest.mark.trio
+async def test_the_fetcher_forgets_read_ahead_nobody_read(
+    big_file_hub: tuple[str, dict], tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    """What read-ahead fetched is counted as coming (admission's `ahead`) until its age runs out."""
+    url, entry = big_file_hub
+    keys = block_keys(entry, 2)
+    with block_cache(tmp_path, 64 * BLOCK, BLOCK) as cache:
+        fetcher = fetcher_for(url, cache)
+        assert await fetcher.prefetch(keys[:1], 0, [BLOCK])
+        mock_clock.jump(PREFETCHED_MAX_AGE_S / 2)
+        assert await fetcher.prefetch(keys[1:], BLOCK, [BLOCK])
+        assert fetcher.prefetched.current(trio.current_time()) == set(keys)
+        mock_clock.jump(PREFETCHED_MAX_AGE_S / 2)
+        assert fetcher.prefetched.current(trio.current_time()) == {keys[1]}
 
 
 def test_blocks_held_long_make_room_for_new_ones() -> None:
