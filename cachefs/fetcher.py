@@ -270,8 +270,8 @@ class Fetcher:
         self._batch_written = trio.Event()  # set (and replaced) after each committed batch
         self.requests_in_flight = 0
         # Blocks fetched by read-ahead and not read yet, to count how many are
-        # used and for admission, which counts their reads as coming (bounded:
-        # the oldest are forgotten).
+        # used and for admission, which counts their reads as coming (bounded
+        # in count and age: PREFETCHED_REMEMBERED, PREFETCHED_MAX_AGE_S).
         self.prefetched = ReadAheadClaims(PREFETCHED_REMEMBERED, PREFETCHED_MAX_AGE_S)
         self._unread: collections.OrderedDict[BlockKey, BlockData] = collections.OrderedDict()
         self._unread_bytes = 0

@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_security_options(args: argparse.Namespace) -> None:
+def _check_options_together(args: argparse.Namespace) -> None:
     """Options that only make sense together (TLS files, connection limits); raises UserError."""
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UserError("--tls-cert and --tls-key go together")
@@ -342,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILURE
     try:
         root = check_root(args.root)
-        _check_security_options(args)
+        _check_options_together(args)
         host, port = args.listen
         config = HubConfig(
             root=root,
