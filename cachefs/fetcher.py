@@ -28,7 +28,7 @@ import functools
 import logging
 import math
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import trio
@@ -153,6 +153,10 @@ class FetchedAhead:
         self._blocks: collections.OrderedDict[BlockKey, tuple[BlockData, float, bool]] = collections.OrderedDict()
         self._bytes = 0
 
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
+
     def hold(self, key: BlockKey, data: BlockData, now: float, cached: bool) -> None:
         self._expire(now, self._max_age_s)
         if key in self._blocks:
@@ -276,6 +280,7 @@ class Fetcher:
         self._unread: collections.OrderedDict[BlockKey, BlockData] = collections.OrderedDict()
         self._unread_bytes = 0
         self._fetched_ahead = FetchedAhead(AHEAD_HELD_BYTES, AHEAD_HELD_AGE_S)
+        self._readahead_fetching_bytes = 0  # of read-ahead's requests, from asking until all of a run is queued to write
         self.prefetch_slots = trio.CapacityLimiter(max(1, prefetch_connections))
         self._write_room = _ByteBudget(WRITE_QUEUE_BYTES)
         self._write_send, self._write_receive = trio.open_memory_channel[tuple[BlockKey, BlockData, bool]](math.inf)
@@ -301,6 +306,21 @@ class Fetcher:
             yield
         finally:
             self.prefetch_slots.release()
+
+    def readahead_memory_bytes(self) -> int:
+        """Bytes read-ahead holds: its runs from asking until their last block is queued for the
+        cache writer, and blocks fetched ahead and held for their first read (plan prefetch,
+        which counts its own, and warm-ups are not in it)."""
+        return self._readahead_fetching_bytes + self._unread_bytes + self._fetched_ahead.held_bytes
+
+    @contextlib.contextmanager
+    def _readahead_fetching(self, lengths: Sequence[int]) -> Iterator[None]:
+        size = sum(lengths)
+        self._readahead_fetching_bytes += size
+        try:
+            yield
+        finally:
+            self._readahead_fetching_bytes -= size
 
     def flight(self, key: BlockKey) -> Flight | None:
         """The block's flight if it is being fetched or written."""
@@ -376,7 +396,8 @@ class Fetcher:
         """
         flights = self._prefetch_flights(keys, count_readahead)
         attempt = functools.partial(self._verified_range, keys[0], start, list(lengths))
-        return await self._run(list(keys), flights, attempt, force_admission, on_fetched)
+        with self._readahead_fetching(lengths if count_readahead else ()):
+            return await self._run(list(keys), flights, attempt, force_admission, on_fetched)
 
     async def prefetch_files(self, keys: Sequence[BlockKey], lengths: Sequence[int]) -> bool:
         """Fetch small files whole (block 0 of each, the whole file) at read-ahead
@@ -387,6 +408,11 @@ class Fetcher:
         one, so that only the changed one fails. A hub that does not know
         batches (an older one) is asked one by one from then on.
         """
+        with self._readahead_fetching(lengths):
+            return await self._prefetch_files(keys, lengths)
+
+    async def _prefetch_files(self, keys: Sequence[BlockKey], lengths: Sequence[int]) -> bool:
+        """`prefetch_files`, its bytes counted as read-ahead's memory by the caller."""
         flights = self._prefetch_flights(keys, count_readahead=True)
         if self.batches:
             attempt = functools.partial(self._verified_batch, keys, lengths, flights)

@@ -102,7 +102,10 @@ INITIAL_LOOKAHEAD_BLOCKS = 32
 MAX_LOOKAHEAD_BLOCKS = 4096
 # Memory budget of plan prefetch: bytes in flight plus bytes held for their
 # readers. 96 MiB is 2 x the bandwidth-delay product of 800 MB/s at 60 ms,
-# and keeps the daemon under its 200 MB memory target.
+# and keeps the daemon under its 200 MB memory target. What read-ahead holds
+# for other readers meanwhile (at most 88 MiB: readahead.py, fetcher.py)
+# counts against it too: a planned loader beside four cold sequential readers
+# of other files peaked at 190 MB with the two budgets side by side.
 LOOKAHEAD_MEMORY_BYTES = 96 << 20
 MAX_BOOST = 8.0
 # A read matches a planned use at most this far beyond the prefetch frontier.
@@ -774,8 +777,10 @@ class Planner:
         position = max(plan.issued, plan.tail)
         run: list[tuple[int, int]] = []  # (entry key, position)
         asked: set[int] = set()
+        memory_blocks = self._inflight_blocks + len(self._buffer) + self._readahead_blocks()
         while (position < target and self._inflight_blocks + len(run) < self.concurrency_blocks
-               and self._inflight_blocks + len(self._buffer) + len(run) < self.lookahead_blocks):
+               and self._inflight_blocks + len(self._buffer) + len(run) < self.lookahead_blocks
+               and memory_blocks + len(run) < self.max_lookahead_blocks):
             entry = plan.key_at(position)
             if not plan.is_consumed(position) and entry not in asked:
                 key = plan.block_key(entry)
@@ -790,6 +795,11 @@ class Planner:
         if run:
             self._start_run(plan, run)
         plan.issued = position
+
+    def _readahead_blocks(self) -> int:
+        """Blocks' worth of memory read-ahead holds (other files' streams, fills, small files):
+        plan prefetch leaves it out of LOOKAHEAD_MEMORY_BYTES, which bounds both together."""
+        return -(-self._fetcher.readahead_memory_bytes() // self._block_size)
 
     def _start_run(self, plan: Plan, run: list[tuple[int, int]]) -> None:
         assert self._nursery is not None

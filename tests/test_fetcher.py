@@ -4,6 +4,7 @@ a fetch late, small files asked for one by one."""
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -20,7 +21,7 @@ from test_hub_checksums import manifest_files
 
 from cachefs.cache import BlockCache, BlockKey
 from cachefs.config import parse_hub_url
-from cachefs.fetcher import PREFETCHED_MAX_AGE_S, WRITE_QUEUE_BYTES, FetchedAhead, Fetcher, ReadAheadClaims
+from cachefs.fetcher import AHEAD_HELD_BYTES, PREFETCHED_MAX_AGE_S, WRITE_QUEUE_BYTES, FetchedAhead, Fetcher, ReadAheadClaims
 from cachefs.hub_client import HubClient
 from cachefs.metrics import Stats
 
@@ -94,6 +95,46 @@ async def test_the_writer_backlog_counts_the_fetches_waiting_for_its_room(
                 await fetcher.written(set(keys))
             nursery.cancel_scope.cancel()
         assert all(cache.contains(key) for key in keys)
+
+
+@pytest.mark.trio
+async def test_read_ahead_memory_counts_its_requests_until_queued_and_what_it_holds(
+    big_file_hub: tuple[str, dict], tmp_path: Path
+) -> None:
+    """`readahead_memory_bytes` (which plan prefetch leaves out of its own budget): read-ahead's
+    runs from asking until their blocks are queued for the writer, then the blocks held for
+    their first read; plan prefetch's own runs are not in it."""
+    url, entry = big_file_hub
+    keys = block_keys(entry, 24)
+    with block_cache(tmp_path, 4 * BLOCKS * BLOCK, BLOCK) as cache:
+        fetcher = fetcher_for(url, cache)
+        assert fetcher.readahead_memory_bytes() == 0
+        async with trio.open_nursery() as nursery:
+            for first in range(0, 20, 4):  # the writer stopped: its room (16 blocks) fills, one run waits
+                nursery.start_soon(fetcher.prefetch, keys[first : first + 4], first * BLOCK, [BLOCK] * 4)
+            await trio.testing.wait_all_tasks_blocked()
+            assert fetcher.readahead_memory_bytes() == 20 * BLOCK  # asked for
+            with trio.fail_after(10):
+                for key in keys[:20]:
+                    await fetcher.flight(key).done.wait()  # type: ignore[union-attr]
+            assert WRITE_QUEUE_BYTES == 16 * BLOCK
+            assert fetcher.readahead_memory_bytes() == 4 * BLOCK  # the run that waits for the writer's room
+            nursery.start_soon(functools.partial(  # a plan's run: its memory is the planner's to count
+                fetcher.prefetch, keys[20:24], 20 * BLOCK, [BLOCK] * 4, count_readahead=False))
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.fail_after(10):
+                for key in keys[20:]:
+                    await fetcher.flight(key).done.wait()  # type: ignore[union-attr]
+            assert fetcher.readahead_memory_bytes() == 4 * BLOCK
+            await nursery.start(fetcher.run_writer)
+            with trio.fail_after(10):
+                await fetcher.written(set(keys))
+            nursery.cancel_scope.cancel()
+        # Written, none read: what read-ahead holds for first reads (AHEAD_HELD_BYTES at most).
+        assert fetcher.readahead_memory_bytes() == AHEAD_HELD_BYTES
+        for key in keys[:20]:
+            fetcher.take_unread(key)
+        assert fetcher.readahead_memory_bytes() == 0
 
 
 @pytest.mark.trio
