@@ -1,4 +1,5 @@
-"""The block index on a real LMDB in a temp dir: paging in one file version's entries, entries that change under a read."""
+"""The block index on a real LMDB in a temp dir: paging in one file version's entries, entries that change under a read,
+a batch whose victim it caches again."""
 
 from __future__ import annotations
 
@@ -51,3 +52,17 @@ def test_a_block_evicted_while_it_is_read_is_a_miss_not_corruption(cache: BlockC
         data_file.write(b"\x08")  # a bit flipped on disk
     assert cache.read(key, entry) is None
     assert cache._stats.corrupt_blocks == 1 and not cache.contains(key)
+
+
+def test_a_victim_cached_again_in_the_same_batch_keeps_its_bytes(cache: BlockCache) -> None:
+    """A block chosen as a victim and also in the batch (fetched again) is written after its
+    bytes were freed: it is cached whole, not left as a hole behind a new entry."""
+    old = [BlockKey(FILE_ID, VERSION, n) for n in range(64)]
+    assert cache.insert_many([(key, bytes([n + 1]) * BLOCK, True) for n, key in enumerate(old)]) == 64
+    newcomer = BlockKey(NEXT_FILE_ID, VERSION, 0)
+    # The newcomer displaces old[0], the oldest; old[0], fetched again, then displaces old[1].
+    assert cache.insert_many([(newcomer, b"\x99" * BLOCK, True), (old[0], b"\x01" * BLOCK, True)]) == 2
+    entry = cache.entry(old[0])
+    assert entry is not None and cache.read(old[0], entry) == b"\x01" * BLOCK  # not a hole
+    assert not cache.contains(old[1]) and cache._stats.corrupt_blocks == 0
+
