@@ -4,8 +4,10 @@ a fetch late, small files asked for one by one."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -43,6 +45,17 @@ def fetcher_for(url: str, cache: BlockCache, fetch_timeout_s: float = 10, stats:
     return Fetcher(
         client, cache, stats or Stats(), fetch_timeout_s=fetch_timeout_s, prefetch_connections=4, block_size=BLOCK
     )
+
+
+@contextlib.contextmanager
+def hub_paused(hub: HubProcess) -> Iterator[None]:
+    """The hub process stopped (SIGSTOP): the kernel still accepts connections and takes
+    requests, but nothing is answered until the block ends (SIGCONT, also on failure)."""
+    hub.proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        hub.proc.send_signal(signal.SIGCONT)
 
 
 def block_keys(entry: dict, count: int) -> list[BlockKey]:
@@ -110,10 +123,11 @@ async def test_read_ahead_memory_counts_its_requests_until_queued_and_what_it_ho
         fetcher = fetcher_for(url, cache)
         assert fetcher.readahead_memory_bytes() == 0
         async with trio.open_nursery() as nursery:
-            for first in range(0, 20, 4):  # the writer stopped: its room (16 blocks) fills, one run waits
-                nursery.start_soon(fetcher.prefetch, keys[first : first + 4], first * BLOCK, [BLOCK] * 4)
-            await trio.testing.wait_all_tasks_blocked()
-            assert fetcher.readahead_memory_bytes() == 20 * BLOCK  # asked for
+            with hub_paused(entry["hub"]):  # no answer can come before the check (a fast one did, under load)
+                for first in range(0, 20, 4):  # the writer stopped: its room (16 blocks) fills, one run waits
+                    nursery.start_soon(fetcher.prefetch, keys[first : first + 4], first * BLOCK, [BLOCK] * 4)
+                await trio.testing.wait_all_tasks_blocked()
+                assert fetcher.readahead_memory_bytes() == 20 * BLOCK  # asked for
             with trio.fail_after(10):
                 for key in keys[:20]:
                     await fetcher.flight(key).done.wait()  # type: ignore[union-attr]
