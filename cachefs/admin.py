@@ -15,13 +15,13 @@ from typing import Any
 import trio
 
 from .cache import BlockCache, BlockKey
-from .config import MountConfig
+from .config import COALESCE_BLOCKS, MountConfig
 from .control import Handler, Progress
-from .errors import CachefsError, HubError
+from .errors import CachefsError
 from .fetcher import Fetcher
 from .metrics import Stats
 from .namespace import Inode, Namespace
-from .readahead import COALESCE_BLOCKS
+from .runs import missing_runs
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +39,12 @@ class Admin:
         cache: BlockCache,
         fetcher: Fetcher,
         stats: Stats,
-        forget_memory: Callable[[], None],
     ) -> None:
         self._config = config
         self._namespace = namespace
         self._cache = cache
         self._fetcher = fetcher
         self._stats = stats
-        self._forget_memory = forget_memory
         self._refresh: Callable[[], Awaitable[dict[str, Any]]] | None = None
         self._sections: dict[str, Callable[[], dict[str, Any]]] = {}
 
@@ -136,7 +134,7 @@ class Admin:
         files = await self._files_in_thread(request.get("paths"))
         if request.get("pin"):
             await trio.to_thread.run_sync(self._cache.pin, {f.file_id: f.size for f in files})
-        job = _WarmJob(files, self, parallel)
+        job = _WarmJob(files, self._fetcher, self._config.block_size_bytes, parallel)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(job.run, nursery.cancel_scope)
             while True:
@@ -178,7 +176,6 @@ class Admin:
         freed = 0
         for file_id in file_ids:
             freed += await trio.to_thread.run_sync(self._cache.evict_file, file_id)
-        self._forget_memory()
         return {"files": len(files), "freed_bytes": freed}
 
     async def purge(self, request: dict[str, Any], progress: Progress) -> dict[str, Any]:
@@ -188,17 +185,17 @@ class Admin:
         self._fetcher.discard_pending(lambda key: True)
         await trio.to_thread.run_sync(self._cache.unpin, self._cache.pinned_file_ids())
         blocks = await trio.to_thread.run_sync(self._cache.purge)
-        self._forget_memory()
         log.info("purged %d cached blocks", blocks)
         return {"purged_blocks": blocks}
 
 
 class _WarmJob:
-    """One warm-up: fetch the missing blocks of `files`, `parallel` requests at a time."""
+    """One warm-up: fetch the missing blocks of `files`, `parallel` files at a time."""
 
-    def __init__(self, files: list[Inode], admin: Admin, parallel: int) -> None:
+    def __init__(self, files: list[Inode], fetcher: Fetcher, block_size: int, parallel: int) -> None:
         self.files = files
-        self._admin = admin
+        self._fetcher = fetcher
+        self._block_size = block_size
         self._slots = trio.Semaphore(parallel)
         self.finished = trio.Event()
         self.started_s = time.monotonic()
@@ -217,64 +214,42 @@ class _WarmJob:
                     await self._slots.acquire()  # bounds the tasks, not only the requests
                     nursery.start_soon(self._warm_file, inode)
             # Done means on disk: wait for the cache writer to commit what was fetched.
-            await self._admin._fetcher.written(self._fetched_keys)
+            await self._fetcher.written(self._fetched_keys)
         finally:
             self.finished.set()
 
     async def _warm_file(self, inode: Inode) -> None:
+        """Fetch the file's blocks that are neither cached nor in flight, in runs of COALESCE_BLOCKS."""
         try:
             ok = True
-            block_size = self._admin._config.block_size_bytes
-            run: list[int] = []
-            for blockno in range(inode.block_count(block_size)):
-                key = BlockKey(inode.file_id, inode.version, blockno)
-                length = inode.block_length(blockno, block_size)
-                if self._admin._cache.contains(key) or self._admin._fetcher.flight(key) is not None:
-                    self.cached_before_bytes += length
-                    self.bytes_done += length
-                    ok &= await self._fetch_run(inode, run)
-                    run = []
-                    continue
-                run.append(blockno)
-                if len(run) == COALESCE_BLOCKS:
-                    ok &= await self._fetch_run(inode, run)
-                    run = []
-            ok &= await self._fetch_run(inode, run)
-            self.files_done += 1
-            self.failed_files += not ok
-        finally:
-            self._slots.release()
+            block_size = self._block_size
+            count = inode.block_count(block_size)
+            accounted = 0  # blocks before this one are counted in bytes_done
 
-    async def _fetch_run(self, inode: Inode, blocknos: list[int]) -> bool:
-        """Fetch contiguous blocks with one request; blocks that went in flight meanwhile split it."""
-        block_size = self._admin._config.block_size_bytes
-        fetcher = self._admin._fetcher
-        ok = True
-        pending: list[tuple[BlockKey, int, int]] = []  # key, start, length
-        for blockno in [*blocknos, None]:
-            key = BlockKey(inode.file_id, inode.version, blockno) if blockno is not None else None
-            if key is not None and fetcher.flight(key) is None:
-                pending.append((key, blockno * block_size, inode.block_length(blockno, block_size)))
-                continue
-            if pending:
-                lengths = [length for _key, _start, length in pending]
-                keys = [k for k, _s, _l in pending]
+            def missing(blockno: int) -> bool:
+                return not self._fetcher.in_flight_or_cached(BlockKey(inode.file_id, inode.version, blockno))
+
+            def present_until(stop: int) -> None:
+                skipped = sum(inode.block_length(blockno, block_size) for blockno in range(accounted, stop))
+                self.cached_before_bytes += skipped
+                self.bytes_done += skipped
+
+            for run in missing_runs(range(count), missing, COALESCE_BLOCKS):
+                present_until(run[0])
+                keys = [BlockKey(inode.file_id, inode.version, blockno) for blockno in run]
+                lengths = [inode.block_length(blockno, block_size) for blockno in run]
                 self._fetched_keys.update(keys)
-                fetched = await fetcher.prefetch(keys, pending[0][1], lengths, force_admission=True, count_readahead=False)
+                fetched = await self._fetcher.warm(keys, run[0] * block_size, lengths)
                 ok &= fetched
                 if fetched:
                     self.fetched_bytes += sum(lengths)
                     self.bytes_done += sum(lengths)
-                pending = []
-            if key is not None:
-                flight = fetcher.flight(key)
-                if flight is not None:
-                    try:
-                        await flight.result()
-                    except HubError:
-                        ok = False
-                self.bytes_done += inode.block_length(blockno, block_size)
-        return ok
+                accounted = run[-1] + 1
+            present_until(count)
+            self.files_done += 1
+            self.failed_files += not ok
+        finally:
+            self._slots.release()
 
     def report(self) -> dict[str, Any]:
         elapsed_s = max(1e-6, time.monotonic() - self.started_s)

@@ -186,3 +186,94 @@ class MountConfig:
     allow_other: bool = False
     foreground: bool = False
     debug: bool = False
+
+
+# Blocks per prefetch request (read-ahead, plans, warm-ups): 4 x 1 MiB keeps
+# 64 MiB in flight on 16 connections.
+COALESCE_BLOCKS = 4
+# Read-ahead requests in flight at once (streams, fills and sibling batches
+# together): the runs share the link and end at about the same time, so a
+# stream moves about W / (RTT + W / link rate) with W of them in flight
+# (docs/performance.md has the measurements behind 16).
+READAHEAD_RUNS_IN_FLIGHT = 16
+
+# The daemon's resident memory should stay under this, whatever it does
+# (MISSION: a spoke shares its node with training jobs).
+MEMORY_TARGET_BYTES = 200 * MiB
+# What the daemon takes before it holds any block: the interpreter, its
+# libraries, trio, the HTTP client and LMDB's pages in use (an idle mount).
+BASELINE_BYTES = 40 * MiB
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemoryBudget:
+    """Every bound on the block bytes the daemon holds in memory, derived from the options in one place.
+
+    `total_bytes` adds them up as they can coincide: plan prefetch's share
+    covers read-ahead's too (the planner leaves out what read-ahead holds),
+    so the larger of the two counts.
+    """
+
+    block_size_bytes: int
+    # Blocks readers used lately, kept so the kernel's smaller requests into one
+    # block cost one disk read (memory_blocks of them: one each for 8 readers).
+    demand_bytes: int
+    # Demand fetches the kernel can have waiting at once: one block for each of
+    # its background requests (fuse_max_background).
+    demand_fetch_bytes: int
+    # Fetched blocks waiting for the cache writer or being written: they bound
+    # what a slow disk can make the daemon hold; fetchers then wait, never drop.
+    write_queue_bytes: int
+    # Read-ahead's requests in flight: READAHEAD_RUNS_IN_FLIGHT runs of COALESCE_BLOCKS.
+    read_ahead_runs_bytes: int
+    # Blocks read ahead kept after their write until their first read (not in
+    # the page cache: written with O_DIRECT), for this long at most; those held
+    # `read_ahead_stale_s` make room for new ones (nobody is coming for them).
+    read_ahead_held_bytes: int
+    read_ahead_max_age_s: float
+    read_ahead_stale_s: float
+    # Plan prefetch: bytes in flight plus bytes held for their planned use,
+    # with read-ahead's in flight and held counted against it too: twice the
+    # bandwidth-delay product of 800 MB/s at 60 ms.
+    plan_bytes: int
+    target_bytes: int = MEMORY_TARGET_BYTES
+    baseline_bytes: int = BASELINE_BYTES
+
+    @property
+    def write_batch_bytes(self) -> int:
+        """The cache writer commits up to half its queue at once (one fsync for all)."""
+        return self.write_queue_bytes // 2
+
+    @property
+    def read_ahead_bytes(self) -> int:
+        """Read-ahead's runs in flight and the blocks it holds for their first read."""
+        return self.read_ahead_runs_bytes + self.read_ahead_held_bytes
+
+    def total_bytes(self) -> int:
+        return (self.baseline_bytes + self.demand_bytes + self.demand_fetch_bytes + self.write_queue_bytes
+                + max(self.plan_bytes, self.read_ahead_bytes))
+
+    def over_target(self) -> str | None:
+        """A one-line warning if the bounds add up to more than the target, else None."""
+        total = self.total_bytes()
+        if total <= self.target_bytes:
+            return None
+        return (f"the daemon's memory bounds add up to {format_size(total)} at a block size of "
+                f"{format_size(self.block_size_bytes)}, over its target of {format_size(self.target_bytes)}: "
+                "a smaller --block-size lowers them")
+
+
+def memory_budget(config: MountConfig) -> MemoryBudget:
+    """The memory bounds of a mount with these options."""
+    block = config.block_size_bytes
+    return MemoryBudget(
+        block_size_bytes=block,
+        demand_bytes=config.memory_blocks * block,
+        demand_fetch_bytes=config.fuse_max_background * block,
+        write_queue_bytes=16 * MiB,
+        read_ahead_runs_bytes=READAHEAD_RUNS_IN_FLIGHT * COALESCE_BLOCKS * block,
+        read_ahead_held_bytes=16 * MiB,
+        read_ahead_max_age_s=30.0,
+        read_ahead_stale_s=5.0,
+        plan_bytes=96 * MiB,
+    )

@@ -26,7 +26,7 @@ import trio
 from . import __version__
 from .admin import Admin
 from .cache import BlockCache
-from .config import MountConfig
+from .config import MountConfig, memory_budget
 from .control import SOCKET_NAME, ControlServer
 from .db import IndexDb, NamespaceDb, get_meta, open_cache_databases, put_meta
 from .errors import CacheDirInUse, CachefsError, UsageError
@@ -38,6 +38,9 @@ from .mountpoints import find_mount
 from .namespace import Changes, Namespace
 from .passthrough import Passthrough
 from .planner import Planner
+from .read.blocks import BlockSource
+from .read.claims import ReadAheadClaims
+from .read.held import HeldBlocks
 from .readahead import ReadAhead
 from .reader import Reader
 from .snapshots import Snapshots
@@ -160,37 +163,44 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
     namespace = Namespace(namespace_db)
     snapshots = Snapshots(config, client, namespace_db, namespace)
     behind = await snapshots.load_at_mount()
+    budget = memory_budget(config)
+    over = budget.over_target()
+    if over is not None:
+        log.warning("%s", over)
     cache = BlockCache(index_db, config.cache_dir, config.cache_size_bytes, config.block_size_bytes, stats)
+    held = HeldBlocks(budget)
+    claims = ReadAheadClaims()
     fetcher = Fetcher(
         client,
         cache,
+        held,
+        claims,
         stats,
+        budget=budget,
         fetch_timeout_s=config.fetch_timeout_s,
         prefetch_connections=min(config.prefetch_connections, max(1, config.max_connections - 4)),
-        block_size=config.block_size_bytes,
     )
     mounted = False
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(fetcher.run_writer)
+            planner = Planner(namespace, cache, fetcher, held, stats, budget=budget, cache_dir=config.cache_dir)
+            await nursery.start(planner.run)
+            cache.advisor = planner
             readahead = ReadAhead(
                 namespace,
                 cache,
                 fetcher,
+                planner,
                 stats,
                 block_size=config.block_size_bytes,
                 readahead_blocks=config.readahead_blocks,
                 sibling_prefetch_files=config.sibling_prefetch_files,
                 nursery=nursery,
             )
-            reader = Reader(cache, fetcher, stats, readahead, memory_blocks=config.memory_blocks)
-            planner = Planner(namespace, cache, fetcher, stats, block_size=config.block_size_bytes,
-                              cache_dir=config.cache_dir)
-            await nursery.start(planner.run)
-            reader.on_block = planner.observe
-            readahead.planned = planner.covers
-            cache.advisor = planner
-            admin = Admin(config, namespace, cache, fetcher, stats, reader.forget_memory)
+            source = BlockSource(held, cache, fetcher, stats)
+            reader = Reader(source, cache.sketch, claims, planner, readahead, stats, block_size=config.block_size_bytes)
+            admin = Admin(config, namespace, cache, fetcher, stats)
             admin.add_section("training", planner.snapshot)
 
             async def refresh() -> dict[str, Any]:

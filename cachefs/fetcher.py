@@ -2,28 +2,32 @@
 
 Every block being fetched has a *flight*; concurrent readers of it wait on
 the same flight, so a block is requested once. A run of contiguous blocks
-(read-ahead) is fetched with one ranged request. Fetches retry connection
-failures, timeouts, truncated bodies and 5xx answers with exponential
-backoff and jitter until `fetch_timeout_s` has passed, then fail. Every
-block is checked against the hub's checksum of it (checksums.py; for a
-run of up to HEADER_SUMS_BLOCKS blocks, sent in the data answer's header);
-a mismatch is retried like a broken connection.
+is fetched with one ranged request. Fetches retry connection failures,
+timeouts, truncated bodies and 5xx answers with exponential backoff and
+jitter until `fetch_timeout_s` has passed, then fail. Every block is
+checked against the hub's checksum of it (checksums.py; for a run of up to
+HEADER_SUMS_BLOCKS blocks, sent in the data answer's header); a mismatch
+is retried like a broken connection.
 
-Read-ahead uses at most `prefetch_connections` connections, so demand
-misses always find one free. Small files prefetched together are asked for
-in one batch request (hubserver/batch.py), each checked like a block and
-handed to its readers as soon as it has arrived, before the rest of the batch.
+Each caller has its own entry point: `fetch` (a demand miss), `read_ahead`
+and `read_ahead_files` (read-ahead), `plan_prefetch` (a loader's plan) and
+`warm` (an operator's warm-up). All but `fetch` run at prefetch priority,
+within `prefetch_slots`, so demand misses always find a connection. Small
+files prefetched together are asked for in one batch request
+(hubserver/batch.py), each checked like a block and handed over as soon as
+it has arrived, before the rest of the batch.
 
-Fetched blocks are handed to readers at once and written to the cache by a
-single writer task that commits them in batches of up to 8 MiB (one fsync
-per batch, not per block); a flight stays visible until its block is
+A fetched block's bytes go to the held-block store (read/held.py) under
+their caller's owner tag, where readers of its flight find them, and to a
+single cache writer task that commits them in batches (one fsync per
+batch, not per block); a flight stays visible until its block is
 committed, so no reader fetches a block that is on its way to disk.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -36,6 +40,7 @@ import xxhash
 
 from .cache import BlockCache, BlockData, BlockKey
 from .checksums import BlockChecksums
+from .config import MemoryBudget
 from .errors import (
     BatchUnsupported,
     FetchAbandoned,
@@ -47,53 +52,18 @@ from .errors import (
 )
 from .hub_client import HubClient
 from .metrics import FETCH_DURATION, Stats
+from .read.claims import ReadAheadClaims
+from .read.held import HeldBlocks, HoldNote, Owner
 
 log = logging.getLogger(__name__)
 
 FIRST_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 5.0
-# Bytes of fetched blocks waiting for the cache writer or being written: they
-# bound the memory a slow disk can take; when they are all taken, fetchers
-# wait (backpressure), never drop data. The writer commits up to half of them
-# at once (8 blocks of 1 MiB, or ~80 small files: one fsync for all). Against
-# 32 MiB, with blocks written with O_DIRECT: peak RSS of a cold read 162-171
-# against 178-182 MB, the same speed (small files too).
-WRITE_QUEUE_BYTES = 16 << 20
-WRITE_BATCH_BYTES = WRITE_QUEUE_BYTES // 2
-# Read-ahead's word that a block's first read is coming (admission counts
-# that read; a read of it counts as read-ahead used) holds for this many
-# blocks and this long after the block was asked for. A wrong guess of a
-# reader's next file, or a stream given up, left its blocks counted as
-# coming until 4,096 newer ones were read ahead (4 GiB of 1 MiB blocks):
-# meanwhile the cached ones outweighed blocks a reader had used as eviction
-# victims. 60 s: a window (at most 64 MiB) is read within it by any reader
-# faster than ~1 MB/s; twice what read-ahead blocks are held in memory.
-PREFETCHED_REMEMBERED = 4096
-PREFETCHED_MAX_AGE_S = 60.0
 # Runs of up to this many blocks (the hub's limit) ask for their checksums in
-# the data answer's header: the hub hashes just those blocks (and so reads them
-# into its page cache for the send) instead of a span of 64 before answering a
-# checksums request the data waits for. One reader, cold, 60 ms uncapped: 512-521
-# against 409-437 MB/s, hub CPU 0.27-0.29 against 0.36-0.51 s per 512 MiB.
+# the data answer's header: the hub hashes just those blocks (and so reads
+# them into its page cache for the send) instead of a span of 64 before
+# answering a checksums request the data waits for.
 HEADER_SUMS_BLOCKS = 64
-# Bytes of small files fetched ahead kept in memory after their write until
-# a reader takes them, so the first read of such a file does not read back
-# and re-verify what was just written.
-UNREAD_BYTES = 8 << 20
-# Blocks of large files read ahead are kept after their write until their
-# first read too, up to this many bytes and this long: written with O_DIRECT,
-# they are not in the page cache, and a stream's reader read each back from
-# disk in a worker thread and checked it again (4 readers of 256 MiB, cold,
-# hub on loopback: 476-616 against 319-427 MB/s, daemon 1.3-1.9 against
-# 2.2-3.4 CPU-s). Blocks the cache did not admit (full of blocks used more: a
-# dataset larger than the cache) come first: their reader would fetch them
-# again, where the others' can read them from disk. 16 MiB, not 32: the same
-# speed (one reader at 60 ms uncapped 558-584 against 553-586 MB/s, four from
-# a hub on loopback 553-614 against 558-581, with 8 memory blocks, not 16)
-# and 10-15 MB less peak RSS (four cold readers from a hub on loopback, 32
-# shards: 182-197 against 185-208 MB, the daemon's writer behind the link).
-AHEAD_HELD_BYTES = 16 << 20
-AHEAD_HELD_AGE_S = 30.0
 
 
 class _ByteBudget:
@@ -135,154 +105,70 @@ class _ByteBudget:
         self._room = trio.Event()
 
 
-class FetchedAhead:
-    """Blocks fetched ahead of their reader, kept in memory until their first read.
-
-    Bounded: a stream reads them oldest first, so when the bytes are used up
-    the newest are not kept, except that a block the cache did not admit
-    takes the place of the newest cached ones (those can be read from disk),
-    and that blocks held `stale_s` or longer make room for new ones (a wrong
-    guess of a reader's next file, a stream given up: nobody is coming for
-    them); blocks left unread expire after `max_age_s`."""
-
-    def __init__(self, limit_bytes: int, max_age_s: float, stale_s: float = 5.0) -> None:
-        self._limit_bytes = limit_bytes
-        self._max_age_s = max_age_s
-        self._stale_s = stale_s
-        # key -> (bytes, when held, whether the cache has them too)
-        self._blocks: collections.OrderedDict[BlockKey, tuple[BlockData, float, bool]] = collections.OrderedDict()
-        self._bytes = 0
-
-    @property
-    def held_bytes(self) -> int:
-        return self._bytes
-
-    def hold(self, key: BlockKey, data: BlockData, now: float, cached: bool) -> None:
-        self._expire(now, self._max_age_s)
-        if key in self._blocks:
-            return
-        if self._bytes + len(data) > self._limit_bytes:
-            self._expire(now, self._stale_s, room_for=len(data))
-        if not cached and self._bytes + len(data) > self._limit_bytes:
-            self._displace_cached(len(data))
-        if self._bytes + len(data) <= self._limit_bytes:
-            self._blocks[key] = (data, now, cached)
-            self._bytes += len(data)
-
-    def _expire(self, now: float, age_s: float, room_for: int | None = None) -> None:
-        """Drop the oldest blocks held `age_s` or longer (only until `room_for` more bytes fit, if given)."""
-        while self._blocks and now - next(iter(self._blocks.values()))[1] >= age_s:
-            if room_for is not None and self._bytes + room_for <= self._limit_bytes:
-                return
-            self.take(next(iter(self._blocks)))
-
-    def _displace_cached(self, size: int) -> None:
-        """Make room for `size` bytes of a block the cache refused by dropping the newest held
-        blocks the cache has (readable from disk); none if that cannot make enough room."""
-        cached = [key for key in reversed(self._blocks) if self._blocks[key][2]]
-        if self._bytes - sum(len(self._blocks[key][0]) for key in cached) + size > self._limit_bytes:
-            return
-        for key in cached:
-            if self._bytes + size <= self._limit_bytes:
-                return
-            self.take(key)
-
-    def take(self, key: BlockKey) -> BlockData | None:
-        held = self._blocks.pop(key, None)
-        if held is None:
-            return None
-        self._bytes -= len(held[0])
-        return held[0]
-
-    def discard(self, predicate: Callable[[BlockKey], bool]) -> None:
-        for key in [key for key in self._blocks if predicate(key)]:
-            self.take(key)
-
-
-class ReadAheadClaims:
-    """Blocks read ahead and not read yet, each with when it was asked for: at most
-    `limit` of them (the oldest are forgotten), none asked for `max_age_s` ago or earlier."""
-
-    def __init__(self, limit: int, max_age_s: float) -> None:
-        self._limit = limit
-        self._max_age_s = max_age_s
-        self._asked: collections.OrderedDict[BlockKey, float] = collections.OrderedDict()
-
-    def add(self, key: BlockKey, now: float) -> None:
-        self._asked[key] = now
-        self._asked.move_to_end(key)
-        while len(self._asked) > self._limit:
-            self._asked.popitem(last=False)
-        self._expire(now)
-
-    def pop(self, key: BlockKey) -> bool:
-        """Whether the block was read ahead (and not read since); it is not any more."""
-        return self._asked.pop(key, None) is not None
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._asked
-
-    def current(self, now: float) -> frozenset[BlockKey]:
-        """The blocks whose read is still counted as coming."""
-        self._expire(now)
-        return frozenset(self._asked)
-
-    def _expire(self, now: float) -> None:
-        while self._asked and now - next(iter(self._asked.values())) >= self._max_age_s:
-            self._asked.popitem(last=False)
-
-
 class Flight:
-    """One block being fetched (and then written); waiters use `done`."""
+    """One block being fetched (and then written); waiters use `done`, then find its bytes held."""
 
     def __init__(self) -> None:
         self.done = trio.Event()
-        self.data: BlockData | None = None
+        self.handed_over = False  # its bytes reached the held-block store
         self.error: HubError | None = None
 
-    async def result(self) -> BlockData:
-        await self.done.wait()
-        if self.error is not None:
-            raise self.error
-        assert self.data is not None
-        return self.data
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Request:
+    """Who asked for a fetch, which decides how its blocks are held and admitted."""
+
+    owner: Owner
+    notes: Sequence[HoldNote] | None = None  # one per block (plan prefetch)
+
+    @property
+    def force_admission(self) -> bool:
+        """An operator's warm-up caches its blocks even where admission prefers what the cache holds."""
+        return self.owner is Owner.WARM
+
+    def note(self, index: int) -> HoldNote | None:
+        return self.notes[index] if self.notes is not None else None
+
+
+_DEMAND = _Request(Owner.DEMAND)
+_READ_AHEAD = _Request(Owner.READ_AHEAD)
+_WARM = _Request(Owner.WARM)
 
 
 class Fetcher:
-    """Gets blocks from the hub and hands them to the cache writer."""
+    """Gets blocks from the hub, holds their bytes (HeldBlocks) and hands them to the cache writer."""
 
     def __init__(
         self,
         client: HubClient,
         cache: BlockCache,
+        held: HeldBlocks,
+        claims: ReadAheadClaims,
         stats: Stats,
         *,
+        budget: MemoryBudget,
         fetch_timeout_s: float,
         prefetch_connections: int,
-        block_size: int,
     ) -> None:
         self._client = client
-        self._checksums = BlockChecksums(client, block_size)
-        self._block_size = block_size
+        self._block_size = budget.block_size_bytes
+        self._checksums = BlockChecksums(client, self._block_size)
         self._sums_in_header = True  # until the hub refuses it (400): then checksum requests
         self.batches = True  # small files in batches, until the hub refuses one: then one by one
         self._cache = cache
+        self._held = held
+        # Blocks read ahead and not read yet: admission counts their coming read.
+        self._claims = claims
         self._stats = stats
         self._fetch_timeout_s = fetch_timeout_s
         self._flights: dict[BlockKey, Flight] = {}
         self._discarded: set[BlockKey] = set()
         self._batch_written = trio.Event()  # set (and replaced) after each committed batch
         self.requests_in_flight = 0
-        # Blocks fetched by read-ahead and not read yet, to count how many are
-        # used and for admission, which counts their reads as coming (bounded
-        # in count and age: PREFETCHED_REMEMBERED, PREFETCHED_MAX_AGE_S).
-        self.prefetched = ReadAheadClaims(PREFETCHED_REMEMBERED, PREFETCHED_MAX_AGE_S)
-        self._unread: collections.OrderedDict[BlockKey, BlockData] = collections.OrderedDict()
-        self._unread_bytes = 0
-        self._fetched_ahead = FetchedAhead(AHEAD_HELD_BYTES, AHEAD_HELD_AGE_S)
         self._readahead_fetching_bytes = 0  # of read-ahead's requests, from asking until all of a run is queued to write
         self.prefetch_slots = trio.CapacityLimiter(max(1, prefetch_connections))
-        self._write_room = _ByteBudget(WRITE_QUEUE_BYTES)
+        self._write_batch_bytes = budget.write_batch_bytes
+        self._write_room = _ByteBudget(budget.write_queue_bytes)
         self._write_send, self._write_receive = trio.open_memory_channel[tuple[BlockKey, BlockData, bool]](math.inf)
 
     async def writer_backlog_below(self, fetches: int) -> None:
@@ -311,7 +197,7 @@ class Fetcher:
         """Bytes read-ahead holds: its runs from asking until their last block is queued for the
         cache writer, and blocks fetched ahead and held for their first read (plan prefetch,
         which counts its own, and warm-ups are not in it)."""
-        return self._readahead_fetching_bytes + self._unread_bytes + self._fetched_ahead.held_bytes
+        return self._readahead_fetching_bytes + self._held.bytes_of(Owner.READ_AHEAD, writing=False)
 
     @contextlib.contextmanager
     def _readahead_fetching(self, lengths: Sequence[int]) -> Iterator[None]:
@@ -334,100 +220,95 @@ class Fetcher:
         return trio.current_time() + self._fetch_timeout_s
 
     async def fetch(self, key: BlockKey, start: int, length: int, deadline: float | None = None) -> BlockData:
-        """A demand miss: the block's bytes (raises HubError when they cannot be had by
-        `deadline`, by default `fetch_timeout_s` from now). A fetch of it under way is
-        joined (see `join`); when that ends without the bytes, it is fetched again."""
-        if deadline is None:
-            deadline = self.deadline()
-        flight = self._flights.get(key)
-        while flight is not None:
-            data = await self.join(flight, deadline)
-            if data is not None:
-                return data
-            flight = self._flights.get(key)  # another reader may have started it again
+        """A demand miss of a block with no flight under way (BlockSource joins those): its bytes
+        (raises HubError when they cannot be had by `deadline`, by default `fetch_timeout_s` from now)."""
+        under_way = self._flights.get(key)
+        if under_way is not None and not under_way.done.is_set():
+            raise ValueError(f"{key} is already in flight: join it")
         flight = self._flights[key] = Flight()
         attempt = functools.partial(self._verified_range, key, start, [length])
-        await self._run([key], [flight], attempt, deadline=deadline)
-        return await flight.result()
+        pieces = await self._run([key], [flight], attempt, _DEMAND, deadline=deadline)
+        if pieces is None:
+            assert flight.error is not None
+            raise flight.error
+        return pieces[0]
 
-    @staticmethod
-    async def join(flight: Flight, deadline: float) -> BlockData | None:
+    async def join(self, key: BlockKey, flight: Flight, deadline: float) -> BlockData | None:
         """The bytes of a fetch under way, for a reader that must have them by `deadline`.
 
         None when the reader should fetch the block itself: the fetch's task
-        went away (a cancelled warm-up or prefetch never fails its readers), or
-        the fetch gave up on a passing failure (hub down, timeouts, 5xx) while
-        the reader's own time is not over: a read that joins a fetch late gets
-        its whole fetch timeout, not what was left of that fetch's. A changed
-        file or a refused request fails the reader at once.
+        went away (a cancelled warm-up or prefetch never fails its readers),
+        its bytes are no longer held, or the fetch gave up on a passing
+        failure (hub down, timeouts, 5xx) while the reader's own time is not
+        over: a read that joins a fetch late gets its whole fetch timeout, not
+        what was left of that fetch's. A changed file or a refused request
+        fails the reader at once.
         """
-        try:
-            return await flight.result()
-        except FetchAbandoned:
+        await flight.done.wait()
+        error = flight.error
+        if error is None:
+            return self._held.use(key, trio.current_time())
+        if isinstance(error, FetchAbandoned):
             return None
-        except HubError as exc:
-            if _passing(exc) and deadline - trio.current_time() >= FIRST_BACKOFF_S:
-                return None
-            raise
+        if _passing(error) and deadline - trio.current_time() >= FIRST_BACKOFF_S:
+            return None
+        raise error
 
-    async def prefetch(
-        self,
-        keys: Sequence[BlockKey],
-        start: int,
-        lengths: Sequence[int],
-        *,
-        force_admission: bool = False,
-        count_readahead: bool = True,
-        on_fetched: Callable[[BlockKey, BlockData], None] | None = None,
-    ) -> bool:
-        """Fetch contiguous blocks with one request, at read-ahead priority; False if it failed.
+    async def read_ahead(self, keys: Sequence[BlockKey], start: int, lengths: Sequence[int]) -> bool:
+        """Read-ahead of contiguous blocks with one request; False if it failed.
 
-        Read-ahead holds one of `prefetch_slots` while calling this (warm-ups
-        have their own limit); the caller has filtered out blocks that are
-        cached or in flight. Failures settle the flights (a reader
-        then retries on demand) and are not raised. `force_admission` (for
-        operator warm-ups) caches the blocks even where the admission policy
-        would prefer what the cache holds. Without `count_readahead` (plan
-        prefetch, which counts its own; warm-ups), readers' use is not counted
-        as read-ahead used, nor is the block admitted as one read ahead
-        (BlockCache.insert_many). `on_fetched` gets each block's bytes as they
-        arrive, before the cache writer sees them (the planner holds them for
-        readers).
+        The caller holds one of `prefetch_slots` and has filtered out blocks
+        that are cached or in flight. Failures settle the flights (a reader
+        then retries on demand) and are not raised. The blocks are claimed
+        (admission counts their coming read) and held until that read.
         """
-        flights = self._prefetch_flights(keys, count_readahead)
+        flights = self._new_flights(keys, claim=True)
         attempt = functools.partial(self._verified_range, keys[0], start, list(lengths))
-        with self._readahead_fetching(lengths if count_readahead else ()):
-            return await self._run(list(keys), flights, attempt, force_admission, on_fetched)
+        with self._readahead_fetching(lengths):
+            return await self._run(list(keys), flights, attempt, _READ_AHEAD) is not None
 
-    async def prefetch_files(self, keys: Sequence[BlockKey], lengths: Sequence[int]) -> bool:
-        """Fetch small files whole (block 0 of each, the whole file) at read-ahead
-        priority, with one batch request while the hub takes them; False if it failed.
-        The caller holds one of `prefetch_slots`.
+    async def plan_prefetch(
+        self, keys: Sequence[BlockKey], start: int, lengths: Sequence[int], notes: Sequence[HoldNote]
+    ) -> bool:
+        """A plan's prefetch of contiguous blocks with one request (as `read_ahead`); each block
+        is held for its planned use, which its note in `notes` follows."""
+        flights = self._new_flights(keys, claim=False)
+        attempt = functools.partial(self._verified_range, keys[0], start, list(lengths))
+        return await self._run(list(keys), flights, attempt, _Request(Owner.PLAN, tuple(notes))) is not None
+
+    async def warm(self, keys: Sequence[BlockKey], start: int, lengths: Sequence[int]) -> bool:
+        """An operator's warm-up of contiguous blocks with one request (as `read_ahead`): cached
+        even where the admission policy would prefer what the cache holds, held only until written."""
+        flights = self._new_flights(keys, claim=False)
+        attempt = functools.partial(self._verified_range, keys[0], start, list(lengths))
+        return await self._run(list(keys), flights, attempt, _WARM) is not None
+
+    async def read_ahead_files(self, keys: Sequence[BlockKey], lengths: Sequence[int]) -> bool:
+        """Read-ahead of small files whole (block 0 of each, the whole file), with one batch
+        request while the hub takes them; False if it failed. The caller holds one of
+        `prefetch_slots`.
 
         If one of them changed on the hub (412), they are asked for one by
         one, so that only the changed one fails. A hub that does not know
         batches (an older one) is asked one by one from then on.
         """
         with self._readahead_fetching(lengths):
-            return await self._prefetch_files(keys, lengths)
+            flights = self._new_flights(keys, claim=True)
+            if self.batches:
+                attempt = functools.partial(self._verified_batch, keys, lengths, flights)
+                try:
+                    pieces = await self._run(
+                        list(keys), flights, attempt, _READ_AHEAD, unsettled_on=(RemoteFileChanged, BatchUnsupported)
+                    )
+                    return pieces is not None
+                except RemoteFileChanged:
+                    pass  # one of them changed: asking one by one tells which
+                except BatchUnsupported as exc:
+                    log.warning("no batches of small files from this hub (%s): asking for them one by one", exc)
+                    self.batches = False
+            return await self._read_ahead_one_by_one(keys, flights, lengths)
 
-    async def _prefetch_files(self, keys: Sequence[BlockKey], lengths: Sequence[int]) -> bool:
-        """`prefetch_files`, its bytes counted as read-ahead's memory by the caller."""
-        flights = self._prefetch_flights(keys, count_readahead=True)
-        if self.batches:
-            attempt = functools.partial(self._verified_batch, keys, lengths, flights)
-            try:
-                return await self._run(
-                    list(keys), flights, attempt, on_fetched=self._hold_unread, unsettled_on=(RemoteFileChanged, BatchUnsupported)
-                )
-            except RemoteFileChanged:
-                pass  # one of them changed: asking one by one tells which
-            except BatchUnsupported as exc:
-                log.warning("no batches of small files from this hub (%s): asking for them one by one", exc)
-                self.batches = False
-        return await self._prefetch_one_by_one(keys, flights, lengths)
-
-    async def _prefetch_one_by_one(self, keys: Sequence[BlockKey], flights: list[Flight], lengths: Sequence[int]) -> bool:
+    async def _read_ahead_one_by_one(self, keys: Sequence[BlockKey], flights: list[Flight], lengths: Sequence[int]) -> bool:
         """Small files with one request each, side by side (one round trip, not one per file)
         within `prefetch_slots`: one request at a time on the caller's slot, and one on each
         slot free. False if any failed.
@@ -448,7 +329,7 @@ class Fetcher:
                         return
                     flight = self._flights[key] = Flight()
                     attempt = functools.partial(self._verified_range, key, 0, [length])
-                    if not await self._run([key], [flight], attempt, on_fetched=self._hold_unread):
+                    if await self._run([key], [flight], attempt, _READ_AHEAD) is None:
                         failed.append(key)
 
         async with trio.open_nursery() as nursery:
@@ -457,37 +338,17 @@ class Fetcher:
                 nursery.start_soon(requester, self.prefetch_slots)
         return not failed
 
-    def _prefetch_flights(self, keys: Sequence[BlockKey], count_readahead: bool) -> list[Flight]:
-        """New flights for blocks read-ahead is about to fetch."""
+    def _new_flights(self, keys: Sequence[BlockKey], claim: bool) -> list[Flight]:
+        """New flights for blocks about to be prefetched (`claim`: by read-ahead)."""
         flights = []
         now = trio.current_time()
         for key in keys:
             if key in self._flights:
                 raise ValueError(f"{key} is already in flight")
             flights.append(self._flights.setdefault(key, Flight()))
-            if count_readahead:
-                self.prefetched.add(key, now)
+            if claim:
+                self._claims.add(key, now)
         return flights
-
-    def take_unread(self, key: BlockKey) -> BlockData | None:
-        """The bytes of a block read-ahead fetched and no reader has read yet, if still held
-        (a small file fetched ahead, or a block of a stream's read-ahead: see FetchedAhead)."""
-        data = self._unread.pop(key, None)
-        if data is not None:
-            self._unread_bytes -= len(data)
-            return data
-        return self._fetched_ahead.take(key)
-
-    def _hold_unread(self, key: BlockKey, data: BlockData) -> None:
-        """Keep a small file fetched ahead until its first read (unless a reader has it
-        already, or an evict or purge dropped it while it was being fetched)."""
-        if key not in self.prefetched or key in self._discarded:
-            return
-        self.take_unread(key)  # a block fetched again replaces its bytes
-        self._unread[key] = data
-        self._unread_bytes += len(data)
-        while self._unread_bytes > UNREAD_BYTES:
-            self._unread_bytes -= len(self._unread.popitem(last=False)[1])
 
     async def written(self, keys: set[BlockKey], timeout_s: float = 60.0) -> None:
         """Wait (bounded) until none of these blocks is still on its way to the cache."""
@@ -496,24 +357,22 @@ class Fetcher:
                 await self._batch_written.wait()
 
     def discard_pending(self, predicate: Callable[[BlockKey], bool]) -> None:
-        """Blocks in flight that match are not written to the cache, nor held unread (evict, purge)."""
+        """Blocks that match are dropped from memory, and those in flight are neither written
+        to the cache nor held once written (evict, purge)."""
         self._discarded.update(key for key in self._flights if predicate(key))
-        for key in [key for key in self._unread if predicate(key)]:
-            self.take_unread(key)
-        self._fetched_ahead.discard(predicate)
+        self._held.discard(predicate)
 
     async def _run(
         self,
         keys: list[BlockKey],
         flights: list[Flight],
         attempt: Callable[[], Awaitable[list[bytearray]]],
-        force_admission: bool = False,
-        on_fetched: Callable[[BlockKey, BlockData], None] | None = None,
+        request: _Request,
         unsettled_on: tuple[type[HubError], ...] = (),
         deadline: float | None = None,
-    ) -> bool:
+    ) -> list[bytearray] | None:
         """Fetch `keys` with `attempt` (retried until `deadline`, by default `fetch_timeout_s`
-        from now) and settle their flights; False on failure.
+        from now) and settle their flights; the blocks' bytes, None on failure.
 
         The errors of `unsettled_on` are raised with the flights left open, for
         a caller that fetches the blocks another way.
@@ -524,49 +383,38 @@ class Fetcher:
             raise
         except HubError as exc:
             self._fail(keys, flights, exc)
-            return False
+            return None
         except BaseException:
             self._fail(keys, flights, FetchAbandoned(f"fetch of {keys[0]} was cancelled"))
             raise
-        await self._settle(keys, flights, pieces, force_admission, on_fetched)
-        return True
+        await self._settle(keys, flights, pieces, request)
+        return pieces
 
-    async def _settle(
-        self,
-        keys: list[BlockKey],
-        flights: list[Flight],
-        pieces: list[bytearray],
-        force_admission: bool = False,
-        on_fetched: Callable[[BlockKey, BlockData], None] | None = None,
-    ) -> None:
-        """Hand fetched blocks to their waiters (those not handed over already), then to the
-        cache writer, as its room allows: readers waiting for a flight never wait for the disk;
-        the task that fetched it does (back-pressure: fetching never runs more than
-        WRITE_QUEUE_BYTES ahead of the cache's disk, which bounds the memory they hold)."""
-        for key, flight, data in zip(keys, flights, pieces, strict=True):
-            self._hand_over(key, flight, data, on_fetched)
+    async def _settle(self, keys: list[BlockKey], flights: list[Flight], pieces: list[bytearray], request: _Request) -> None:
+        """Hand fetched blocks over (those not handed over already), then to the cache writer,
+        as its room allows: readers waiting for a flight never wait for the disk; the task
+        that fetched it does (back-pressure: fetching never runs more than the write queue's
+        bytes ahead of the cache's disk, which bounds the memory they hold)."""
+        for index, (key, flight, data) in enumerate(zip(keys, flights, pieces, strict=True)):
+            self._hand_over(key, flight, data, request, index)
         queued = 0
         try:
             for key, data in zip(keys, pieces, strict=True):
                 await self._write_room.take(len(data))
-                self._write_send.send_nowait((key, data, force_admission))
+                self._write_send.send_nowait((key, data, request.force_admission))
                 queued += 1
         except BaseException:  # cancelled while waiting for room: the rest are not cached, nor in flight
             for key, flight in zip(keys[queued:], flights[queued:], strict=True):
                 self._forget(key, flight)
             raise
 
-    @staticmethod
-    def _hand_over(
-        key: BlockKey, flight: Flight, data: BlockData, on_fetched: Callable[[BlockKey, BlockData], None] | None
-    ) -> None:
-        """A block's verified bytes to whoever waits for it, once."""
+    def _hand_over(self, key: BlockKey, flight: Flight, data: BlockData, request: _Request, index: int) -> None:
+        """A block's verified bytes into the held-block store, for whoever waits for it, once."""
         if flight.done.is_set():
             return
-        flight.data = data
+        self._held.arrived(key, data, request.owner, trio.current_time(), request.note(index))
+        flight.handed_over = True
         flight.done.set()
-        if on_fetched is not None:
-            on_fetched(key, data)
 
     def _fail(self, keys: list[BlockKey], flights: list[Flight], error: HubError) -> None:
         """End flights without a result (a flight handed its bytes over already keeps them, uncached)."""
@@ -581,7 +429,13 @@ class Fetcher:
         the next fetch of its block starts afresh, and an evict's mark meant this one's bytes."""
         if self._flights.get(key) is flight:
             del self._flights[key]
+            if flight.handed_over:
+                self._settled(key, cached=False)
             self._discarded.discard(key)
+
+    def _settled(self, key: BlockKey, cached: bool) -> None:
+        self._held.settled(key, trio.current_time(), cached=cached, claimed=key in self._claims,
+                           discarded=key in self._discarded)
 
     async def run_writer(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Background task: commit fetched blocks to the cache in batches."""
@@ -590,34 +444,26 @@ class Fetcher:
             async for first in self._write_receive:
                 batch = [first]
                 batch_bytes = len(first[1])
-                while batch_bytes < WRITE_BATCH_BYTES:
+                while batch_bytes < self._write_batch_bytes:
                     try:
                         batch.append(self._write_receive.receive_nowait())
                     except trio.WouldBlock:
                         break
                     batch_bytes += len(batch[-1][1])
                 kept = [item for item in batch if item[0] not in self._discarded]
-                ahead = self.prefetched.current(trio.current_time())  # read ahead, not read yet: offered or cached
+                ahead = self._claims.current(trio.current_time())  # read ahead, not read yet: offered or cached
                 try:
                     if kept:
                         await trio.to_thread.run_sync(self._cache.insert_many, kept, ahead)
-                        self._hold_fetched_ahead([(key, data) for key, data, _force in kept if key in ahead])
                 finally:
                     for key, _data, _force in batch:
                         self._flights.pop(key, None)
+                        # Only a read-ahead block waiting for its read needs to know whether it is cached.
+                        self._settled(key, cached=key in ahead and self._cache.contains(key))
                         self._discarded.discard(key)
                     self._write_room.give_back(batch_bytes)
                     self._batch_written.set()
                     self._batch_written = trio.Event()
-
-    def _hold_fetched_ahead(self, blocks: list[tuple[BlockKey, BlockData]]) -> None:
-        """Keep the blocks read ahead that were not read meanwhile, not held already (small
-        files) and not dropped by an evict or purge while they were written, until their
-        first read."""
-        now = trio.current_time()
-        for key, data in blocks:
-            if key in self.prefetched and key not in self._unread and key not in self._discarded:
-                self._fetched_ahead.hold(key, data, now, cached=self._cache.contains(key))
 
     async def _verified_range(self, key: BlockKey, start: int, lengths: list[int]) -> list[bytearray]:
         """One attempt: the data, checked against the hub's checksums of it.
@@ -662,7 +508,7 @@ class Fetcher:
         def arrived(index: int, piece: bytearray, checksum: int) -> None:
             if self._first_mismatch([piece], [checksum]) is not None:
                 raise HubProtocolError(f"file {keys[index].file_id.hex()} of a batch failed its checksum")
-            self._hand_over(keys[index], flights[index], piece, self._hold_unread)
+            self._hand_over(keys[index], flights[index], piece, _READ_AHEAD, index)
 
         files = [(key.file_id.hex(), key.version.hex()) for key in keys]
         return await self._client.get_batch(files, lengths, self._block_size, arrived)

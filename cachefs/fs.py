@@ -245,12 +245,10 @@ class CachefsOperations(pyfuse3.Operations):
         except OpenInAnotherVersion as exc:
             log.error("cannot open inode %d until its earlier opens close: %s", inode, exc)
             raise pyfuse3.FUSEError(errno.ESTALE) from None
-        self._handles[handle_id] = OpenFile(entry, reader=ctx.pid)
-        self._reader.readahead.prefetch_siblings(entry)
+        self._handles[handle_id] = self._reader.open(entry, ctx.pid, passthrough=bool(backing_id))
         if backing_id:
             # The kernel reads the cache's data file itself (its own page cache).
             return pyfuse3.FileInfo(fh=handle_id, keep_cache=False, backing_id=backing_id)
-        self._reader.readahead.page_in_index(entry)
         # A file version's bytes never change: keep the page cache (unless another version's is in it).
         direct_io, keep_cache = self._page_cache.open(entry)
         if direct_io:

@@ -34,8 +34,9 @@ memory costs disk, not RAM).
   the blocks readers consume during two fetch latencies (which hold the
   link's RTT and transfer time) plus `LOOKAHEAD_MARGIN_S` of jitter, doubled for
   a while whenever readers overtake the prefetch frontier, and bounded by
-  `LOOKAHEAD_MEMORY_BYTES`: prefetched blocks are held in memory until
-  their planned use, so blocks in flight plus blocks held stay within it.
+  the plan's share of the memory budget (config.MemoryBudget.plan_bytes):
+  prefetched blocks are held in memory until their planned use, so blocks
+  in flight plus blocks held stay within it.
 - **Eviction.** The cache asks `distance(key)`: planned uses until the
   block's next use (infinite if none in any plan); for a block held for
   its next use, the use after that one, since the held copy covers the
@@ -68,15 +69,18 @@ from typing import Any
 
 import trio
 
-from .cache import BlockCache, BlockData, BlockKey
+from .cache import BlockCache, BlockKey
 from .cache.plan_admission import INFINITE
 from .cache.store import punch_hole
+from .config import COALESCE_BLOCKS, MemoryBudget
 from .control import Lines, Progress
 from .errors import CachefsError
 from .fetcher import Fetcher
 from .metrics import Stats
 from .namespace import Inode, Namespace, block_length
-from .readahead import COALESCE_BLOCKS, logging_failure
+from .read.held import HeldBlocks, Owner
+from .readahead import logging_failure
+from .runs import missing_runs
 from .training_stats import TrainingStats
 
 log = logging.getLogger(__name__)
@@ -100,15 +104,6 @@ MIN_HORIZON_ENTRIES = 4096
 MIN_LOOKAHEAD_BLOCKS = 8
 INITIAL_LOOKAHEAD_BLOCKS = 32
 MAX_LOOKAHEAD_BLOCKS = 4096
-# Memory budget of plan prefetch: bytes in flight plus bytes held for their
-# readers. 96 MiB is 2 x the bandwidth-delay product of 800 MB/s at 60 ms,
-# and keeps the daemon under its 200 MB memory target. What read-ahead holds
-# for other readers meanwhile (at most 88 MiB: readahead.py, fetcher.py)
-# counts against it too, so the two together stay within it. That bounds the
-# worst case: a planned loader beside four cold sequential readers of other
-# files peaked at 184 MB (median of 5) with it and 183 without, its lookahead
-# (sized from consumption) never near 96 MiB.
-LOOKAHEAD_MEMORY_BYTES = 96 << 20
 MAX_BOOST = 8.0
 # A read matches a planned use at most this far beyond the prefetch frontier.
 MATCH_SLACK_ENTRIES = 256
@@ -539,12 +534,22 @@ class Plan:
 
 
 @dataclasses.dataclass(slots=True)
-class _Buffered:
-    """A block prefetched for a plan's use at `position`, held until read."""
+class PlanHold:
+    """The note of a block prefetched for a plan's use at `position` and held for it (HeldBlocks)."""
 
     plan: Plan
     position: int
-    data: BlockData
+
+    def wanted(self) -> bool:
+        """Still to come: the plan neither ended nor moved past the use, nor did a reader consume it."""
+        plan = self.plan
+        return not plan.cancelled and self.position >= plan.tail and not plan.consumed_at(self.position)
+
+    def used(self) -> None:
+        self.plan.used_blocks += 1
+
+    def wasted(self) -> None:
+        self.plan.wasted_blocks += 1
 
 
 class Planner:
@@ -555,16 +560,18 @@ class Planner:
         namespace: Namespace,
         cache: BlockCache,
         fetcher: Fetcher,
+        held: HeldBlocks,
         stats: Stats,
         *,
-        block_size: int,
+        budget: MemoryBudget,
         cache_dir: Path,
     ) -> None:
         self._namespace = namespace
         self._cache = cache
         self._fetcher = fetcher
+        self._held = held
         self._stats = stats
-        self._block_size = block_size
+        block_size = self._block_size = budget.block_size_bytes
         self._plans_dir = cache_dir / PLANS_DIR
         shutil.rmtree(self._plans_dir, ignore_errors=True)  # left over by a crash
         self._plans: dict[int, Plan] = {}
@@ -572,7 +579,7 @@ class Planner:
         self.training = TrainingStats(stats)
         capacity_blocks = max(1, cache.capacity_bytes // block_size)
         self.max_lookahead_blocks = max(MIN_LOOKAHEAD_BLOCKS,
-                                        min(MAX_LOOKAHEAD_BLOCKS, LOOKAHEAD_MEMORY_BYTES // block_size))
+                                        min(MAX_LOOKAHEAD_BLOCKS, budget.plan_bytes // block_size))
         self.lookahead_blocks = min(INITIAL_LOOKAHEAD_BLOCKS, self.max_lookahead_blocks)
         self._horizon_entries = min(HORIZON_BUDGET_ENTRIES, max(MIN_HORIZON_ENTRIES, 4 * capacity_blocks))
         self._slots = int(fetcher.prefetch_slots.total_tokens)
@@ -581,10 +588,6 @@ class Planner:
         # Blocks of runs started and not finished (a run waits for a connection before its
         # blocks are in flight): another plan's `_issue` must not ask for them again.
         self._scheduled: collections.Counter[BlockKey] = collections.Counter()
-        # Prefetched blocks held for the readers until their planned use (then
-        # dropped: whether a block stays is for the cache to decide, by its
-        # use after that one).
-        self._buffer: dict[BlockKey, _Buffered] = {}
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         # Measurements behind the lookahead.
@@ -608,11 +611,8 @@ class Planner:
 
     # -- hooks ------------------------------------------------------------------------
 
-    def observe(self, key: BlockKey) -> BlockData | None:
-        """Reader hook: a block is being read (trio thread; cheap). Returns its bytes if prefetched."""
-        buffered = self._buffer.pop(key, None)
-        if buffered is not None:
-            buffered.plan.used_blocks += 1
+    def observe(self, key: BlockKey) -> None:
+        """A reader asks for a block (trio thread; cheap): the plans that expect it move on."""
         reach = self.lookahead_blocks + MATCH_SLACK_ENTRIES
         fresh = matched = False
         for plan in self._plans.values():
@@ -631,7 +631,6 @@ class Planner:
             if not matched:
                 self._stats.plan_unplanned_blocks += 1
             self._wake.set()
-        return buffered.data if buffered is not None else None
 
     def active(self) -> bool:
         return bool(self._plans)
@@ -643,14 +642,14 @@ class Planner:
     def distance(self, key: BlockKey) -> int:
         """Cache hook (any thread): planned uses until the block's next use, over all plans.
 
-        For a block held in the prefetch buffer, that use is covered: what
-        counts for the cache is the use after it.
+        For a block held in memory for its planned use, that use is covered:
+        what counts for the cache is the use after it.
         """
-        buffered = self._buffer.get(key)
+        hold = self._held.note_of(key, Owner.PLAN)
         best = INFINITE
         for plan in list(self._plans.values()):
-            if buffered is not None and buffered.plan is plan:
-                best = min(best, plan.distance_after(buffered.position, key))
+            if isinstance(hold, PlanHold) and hold.plan is plan:
+                best = min(best, plan.distance_after(hold.position, key))
             else:
                 best = min(best, plan.distance(key))
         return best
@@ -707,23 +706,27 @@ class Planner:
                         self._end(plan)
 
     def _drop_passed(self) -> None:
-        """Forget buffered blocks their plan moved past (or ended) without reading them: wasted."""
-        self._drop_held(lambda buffered: buffered.plan.cancelled or buffered.position < buffered.plan.tail)
+        """Forget held blocks their plan moved past (or ended) without reading them: wasted."""
+        self._drop_held(lambda hold: hold.plan.cancelled or hold.position < hold.plan.tail)
 
     def _reclaim_from_idle_plans(self) -> None:
         """When the prefetch budget is full and several plans are open, drop the blocks held for
         plans idle for IDLE_PLAN_S (wasted): the others prefetch again."""
-        if len(self._plans) < 2 or self._inflight_blocks + len(self._buffer) < self.lookahead_blocks:
+        if len(self._plans) < 2 or self._inflight_blocks + self._held_blocks() < self.lookahead_blocks:
             return
         idle_since = time.monotonic() - IDLE_PLAN_S
-        self._drop_held(lambda buffered: buffered.plan.progress_s < idle_since)
+        self._drop_held(lambda hold: hold.plan.progress_s < idle_since)
 
-    def _drop_held(self, unwanted: Callable[[_Buffered], bool]) -> None:
-        """Forget the held blocks `unwanted` picks, counted wasted for their plans."""
-        for key, buffered in list(self._buffer.items()):
-            if unwanted(buffered):
-                del self._buffer[key]
-                buffered.plan.wasted_blocks += 1
+    def _drop_held(self, unwanted: Callable[[PlanHold], bool]) -> None:
+        """Forget the held blocks `unwanted` picks (counted wasted for their plans); those on
+        their way to the cache are judged once written (PlanHold.wanted)."""
+        for key, held in self._held.keys_of(Owner.PLAN):
+            if not held.writing and isinstance(held.note, PlanHold) and unwanted(held.note):
+                self._held.drop(key)
+
+    def _held_blocks(self) -> int:
+        """Blocks' worth of memory held for the plans."""
+        return -(-self._held.bytes_of(Owner.PLAN) // self._block_size)
 
     def _tick(self) -> None:
         """Update the rates and the lookahead; judge the hit ratio window."""
@@ -779,15 +782,15 @@ class Planner:
         position = max(plan.issued, plan.tail)
         run: list[tuple[int, int]] = []  # (entry key, position)
         asked: set[int] = set()
-        memory_blocks = self._inflight_blocks + len(self._buffer) + self._readahead_blocks()
+        held_blocks = self._held_blocks()
+        memory_blocks = self._inflight_blocks + held_blocks + self._readahead_blocks()
         while (position < target and self._inflight_blocks + len(run) < self.concurrency_blocks
-               and self._inflight_blocks + len(self._buffer) + len(run) < self.lookahead_blocks
+               and self._inflight_blocks + held_blocks + len(run) < self.lookahead_blocks
                and memory_blocks + len(run) < self.max_lookahead_blocks):
             entry = plan.key_at(position)
             if not plan.is_consumed(position) and entry not in asked:
                 key = plan.block_key(entry)
-                if (key not in self._buffer and key not in self._scheduled and self._fetcher.flight(key) is None
-                        and not self._cache.contains(key)):
+                if key not in self._scheduled and not self._at_hand(key):
                     if run and (entry != run[-1][0] + 1 or len(run) >= COALESCE_BLOCKS):
                         self._start_run(plan, run)
                         run = []
@@ -800,7 +803,7 @@ class Planner:
 
     def _readahead_blocks(self) -> int:
         """Blocks' worth of memory read-ahead holds (other files' streams, fills, small files):
-        plan prefetch leaves it out of LOOKAHEAD_MEMORY_BYTES, which bounds both together."""
+        plan prefetch leaves it out of its share of the memory budget, which bounds both together."""
         return -(-self._fetcher.readahead_memory_bytes() // self._block_size)
 
     def _start_run(self, plan: Plan, run: list[tuple[int, int]]) -> None:
@@ -815,39 +818,25 @@ class Planner:
             async with self._fetcher.prefetch_slots:
                 if plan.cancelled:
                     return
-                # Readers may have read or fetched some meanwhile: fetch the first contiguous stretch
-                # still needed; what follows a gap becomes a run of its own.
-                wanted: list[tuple[int, int]] = []
-                for index, (entry, position) in enumerate(run):
-                    key = plan.block_key(entry)
-                    if (position < plan.tail or plan.consumed_at(position) or key in self._buffer
-                            or self._fetcher.flight(key) is not None or self._cache.contains(key)):
-                        if wanted:
-                            if index + 1 < len(run):
-                                self._start_run(plan, run[index + 1 :])
-                            break
-                        continue
-                    wanted.append((entry, position))
-                if not wanted:
+                # Readers may have read or fetched some meanwhile: fetch the first stretch still
+                # needed; what follows becomes runs of their own.
+                def missing(item: tuple[int, int]) -> bool:
+                    entry, position = item
+                    return position >= plan.tail and not plan.consumed_at(position) and not self._at_hand(
+                        plan.block_key(entry))
+
+                stretches = list(missing_runs(run, missing))
+                if not stretches:
                     return
+                wanted = stretches[0]
+                for stretch in stretches[1:]:
+                    self._start_run(plan, stretch)
                 keys = [plan.block_key(entry) for entry, _position in wanted]
                 lengths = [plan.block_length(entry) for entry, _position in wanted]
-                positions = {key: position for key, (_entry, position) in zip(keys, wanted, strict=True)}
-
-                def hold(key: BlockKey, data: BlockData) -> None:
-                    """The block arrived: keep it for its reader (before the cache decides on it)."""
-                    position = positions[key]
-                    if plan.consumed_at(position):
-                        plan.used_blocks += 1  # a reader waited for it
-                    elif plan.cancelled or position < plan.tail:
-                        plan.wasted_blocks += 1  # the plan ended or moved past it meanwhile
-                    else:
-                        self._buffer[key] = _Buffered(plan, position, data)
+                notes = [PlanHold(plan, position) for _entry, position in wanted]
 
                 started = trio.current_time()
-                fetched = await self._fetcher.prefetch(
-                    keys, keys[0].blockno * self._block_size, lengths, count_readahead=False, on_fetched=hold
-                )
+                fetched = await self._fetcher.plan_prefetch(keys, keys[0].blockno * self._block_size, lengths, notes)
                 if not fetched:
                     log.debug("plan %d: prefetch of %s failed", plan.id, keys[0])
                     return
@@ -866,6 +855,10 @@ class Planner:
                 if self._scheduled[key] <= 0:
                     del self._scheduled[key]
             self._sync_counters(plan)
+
+    def _at_hand(self, key: BlockKey) -> bool:
+        """Held in memory, in flight or cached: no prefetch needed."""
+        return key in self._held or self._fetcher.in_flight_or_cached(key)
 
     def _sync_counters(self, plan: Plan) -> None:
         """Carry a plan's used/wasted counts into the mount's counters."""

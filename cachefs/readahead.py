@@ -20,9 +20,9 @@
   of small files, not the link.
 
 All of it runs at read-ahead priority, under the fetcher's `prefetch_slots`
-(demand misses always find a connection), at most `READAHEAD_RUNS_IN_FLIGHT`
-requests at once. The window, the next file and the fill stay off for files
-a loader's plan covers (planner.py knows what comes next).
+(demand misses always find a connection), at most READAHEAD_RUNS_IN_FLIGHT
+requests at once (config.py). The window, the next file and the fill stay
+off for files a loader's plan covers (planner.py knows what comes next).
 """
 
 from __future__ import annotations
@@ -33,30 +33,19 @@ import dataclasses
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import trio
 
 from .cache import BlockCache, BlockKey
+from .config import COALESCE_BLOCKS, READAHEAD_RUNS_IN_FLIGHT
 from .fetcher import Fetcher
 from .metrics import Stats
 from .namespace import Inode, Namespace
+from .runs import missing_runs
 
 log = logging.getLogger(__name__)
 
-# Blocks per read-ahead request: 4 x 1 MiB keeps 64 MiB in flight on 16
-# connections.
-COALESCE_BLOCKS = 4
-# Read-ahead requests in flight at once (streams, fills and sibling batches
-# together, each also holding one of the fetcher's prefetch slots, which a
-# loader's plan shares): bounds read-ahead's buffers to 16 x 4 blocks. The runs
-# in flight share the link and end at about the same time, so a stream moves
-# about W / (RTT + W / link rate) with W of them in flight: at 60 ms and ~1.1
-# GB/s, 440 MB/s with 48 MiB, 540 with 64. Measured cold, one reader at 60 ms
-# uncapped: 519-549 MB/s with 16 against 483-502 with 12 (four readers 556-620
-# against 530-582), peak RSS 110-137 against 95-129 MiB. (On an earlier VM,
-# whose disk wrote slowly, 16 peaked at 191-199 MiB against 175-185 with 12.)
-READAHEAD_RUNS_IN_FLIGHT = 16
 # Read-ahead starts no run while this many fetches wait for the cache writer's
 # room with their blocks: the disk is behind the link (a hub on loopback, a
 # fast link), and more runs would only wait in memory. Cold, hub on loopback,
@@ -117,7 +106,7 @@ class OpenFile:
     """Per-handle read-ahead state."""
 
     inode: Inode
-    reader: int = 0  # the process (thread) that opened it, from the FUSE request
+    pid: int = 0  # the process (thread) that opened it, from the FUSE request
     next_offset: int = 0
     sequential_reads: int = 0
     stream_start: int = 0  # offset where the current run of sequential reads began
@@ -154,6 +143,12 @@ class _ReaderFiles:
         return self.step if 1 <= self.step <= MAX_STRIDE_FILES else 1
 
 
+class PlanCoverage(Protocol):
+    """Whether a loader's plan covers a file (planner.py): its prefetch then replaces read-ahead's guesses."""
+
+    def covers(self, inode: Inode) -> bool: ...
+
+
 class ReadAhead:
     """The read-ahead policies of one mount (sequential window, next file, random fill, siblings)."""
 
@@ -162,6 +157,7 @@ class ReadAhead:
         namespace: Namespace,
         cache: BlockCache,
         fetcher: Fetcher,
+        plans: PlanCoverage,
         stats: Stats,
         *,
         block_size: int,
@@ -172,6 +168,7 @@ class ReadAhead:
         self._namespace = namespace
         self._cache = cache
         self._fetcher = fetcher
+        self._plans = plans
         self._stats = stats
         self.block_size = block_size
         self._max_window_blocks = readahead_blocks
@@ -191,9 +188,13 @@ class ReadAhead:
         self._readers: collections.OrderedDict[int, _ReaderFiles] = collections.OrderedDict()
         # ino -> when a large file's index entries or a small file's data were last paged in
         self._paged_in: collections.OrderedDict[int, float] = collections.OrderedDict()
-        # Whether a loader's plan covers a file: then the plan's prefetch, which
-        # knows what comes next, replaces these guesses.
-        self.planned: Callable[[Inode], bool] | None = None
+
+    def opened(self, inode: Inode, *, passthrough: bool) -> None:
+        """A file was opened: prefetch the small files after it; page in a large one's index
+        entries (unless the kernel reads its data file itself: `passthrough`)."""
+        self.prefetch_siblings(inode)
+        if not passthrough:
+            self.page_in_index(inode)
 
     def on_read(self, handle: OpenFile, offset: int, end: int, last_block: int) -> None:
         """Every read, before it is served: track the stream; keep the window ahead of `last_block` asked for."""
@@ -254,7 +255,7 @@ class ReadAhead:
         head = handle.next_file
         if head is None:
             return
-        reader = self._readers.get(handle.reader)
+        reader = self._readers.get(handle.pid)
         if reader is None or not reader.on_course:
             blocks = COALESCE_BLOCKS
         stop = min(max(blocks, COALESCE_BLOCKS), head.inode.block_count(self.block_size))
@@ -271,7 +272,7 @@ class ReadAhead:
 
     def _next_file(self, handle: OpenFile) -> OpenFile | None:
         """The large file the handle's reader will read next (see _read_ahead_next_file), if any."""
-        reader = self._readers.get(handle.reader)
+        reader = self._readers.get(handle.pid)
         step = reader.next_step if reader is not None else 1
         following = self._namespace.files_after(handle.inode, step)
         if len(following) < step:
@@ -285,16 +286,16 @@ class ReadAhead:
         """A reader started reading a file from its first byte: learn how many files it
         moved on from the last one it did that with, in the same directory (its next
         file is guessed from that; a move seen twice in a row is its stride)."""
-        previous = self._readers.pop(handle.reader, None)
+        previous = self._readers.pop(handle.pid, None)
         step = 0
         if previous is not None and previous.last.parent == handle.inode.parent:
             step = handle.inode.position - previous.last.position
         confirmed = previous is not None and step == previous.step and 1 <= step <= MAX_STRIDE_FILES
-        _remember(self._readers, handle.reader, _ReaderFiles(handle.inode, step, step if confirmed else 1), READERS_REMEMBERED)
+        _remember(self._readers, handle.pid, _ReaderFiles(handle.inode, step, step if confirmed else 1), READERS_REMEMBERED)
 
     def _planned(self, inode: Inode) -> bool:
         """Whether a loader's plan covers the file (its prefetch then replaces these guesses)."""
-        return self.planned is not None and self.planned(inode)
+        return self._plans.covers(inode)
 
     def _spawn(self, task: Callable[..., Awaitable[None]], *args: Any) -> None:
         """Start a read-ahead task in the background (see logging_failure)."""
@@ -443,7 +444,7 @@ class ReadAhead:
                 if missing:
                     self._stats.readahead_fetches += len(missing)
                     keys, sizes = [key for key, _ in missing], [inode.size for _, inode in missing]
-                    if not await self._fetcher.prefetch_files(keys, sizes):
+                    if not await self._fetcher.read_ahead_files(keys, sizes):
                         log.debug("sibling prefetch of %d files failed", len(missing))
         finally:
             self._queued.difference_update(queued)
@@ -487,28 +488,18 @@ class ReadAhead:
             async with self._slot():
                 if handle.closed:
                     return
-                for run_first, keys, lengths in self._missing_runs(handle.inode, first, stop):
+                inode = handle.inode
+                for run in missing_runs(range(first, stop), lambda blockno: not self._asked_or_cached(inode, blockno)):
+                    keys = self._keys(inode, run[0], run[-1] + 1)
                     self._stats.readahead_fetches += len(keys)
-                    if not await self._fetcher.prefetch(keys, run_first * self.block_size, lengths):
+                    lengths = [inode.block_length(blockno, self.block_size) for blockno in run]
+                    if not await self._fetcher.read_ahead(keys, run[0] * self.block_size, lengths):
                         log.debug("read-ahead of %s failed", keys[0])
         finally:
             self._queued.difference_update(queued)
 
-    def _missing_runs(self, inode: Inode, first: int, stop: int) -> Iterator[tuple[int, list[BlockKey], list[int]]]:
-        """Contiguous runs of blocks neither cached nor in flight, each checked just before it is yielded."""
-        blockno = first
-        while blockno < stop:
-            run_first, keys, lengths = blockno, [], []
-            while blockno < stop:
-                key = BlockKey(inode.file_id, inode.version, blockno)
-                if self._fetcher.in_flight_or_cached(key):
-                    break
-                keys.append(key)
-                lengths.append(inode.block_length(blockno, self.block_size))
-                blockno += 1
-            if keys:
-                yield run_first, keys, lengths
-            blockno += 1  # past the cached (or in-flight) block that ended the run
+    def _asked_or_cached(self, inode: Inode, blockno: int) -> bool:
+        return self._fetcher.in_flight_or_cached(BlockKey(inode.file_id, inode.version, blockno))
 
 
 async def logging_failure(task: Callable[..., Awaitable[None]], *args: Any) -> None:

@@ -1,108 +1,61 @@
-"""Split a file read into blocks: memory, then a flight, then the local cache, else the hub.
+"""Split a file read into blocks, tell read-ahead and the plans about it, and get each block from the BlockSource.
 
-This is the data path below FUSE: `read` -> `_block` -> memory | flight |
-cache (page cache, else a disk read) | fetcher.fetch. Small random reads
-of a cached block read only the chunks they touch, on the event loop's
-thread while the disk is fast. Every read is shown to the read-ahead
-(readahead.py), which fetches what comes next.
+This is the data path below FUSE: `read` -> `_block` -> BlockSource.get
+(held in memory | flight | disk cache | hub). Small random reads of a
+cached block read only the chunks they touch (BlockSource.part).
 """
 
 from __future__ import annotations
 
-import collections
-import functools
 import logging
-import time
-from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol
 
 import trio
 
-from .cache import BlockCache, BlockData, BlockKey
+from .cache import BlockData, BlockKey
+from .cache.policy import FrequencySketch
 from .errors import HubError, RemoteFileChanged
-from .fetcher import Fetcher
-from .metrics import STALL_DURATION, Stats
+from .metrics import Stats
 from .namespace import Inode
+from .read.blocks import BlockSource
+from .read.claims import ReadAheadClaims
 from .readahead import SEQUENTIAL_THRESHOLD, OpenFile, ReadAhead
 
 log = logging.getLogger(__name__)
 
-# Cached blocks read from disk at once (worker threads): enough to overlap
-# the kernel's parallel readahead requests on NVMe.
-DISK_READ_THREADS = 8
-# A small cached read that misses the page cache is done on the trio thread
-# while such reads take less than this on average: a hop to a worker thread
-# (trio.to_thread) costs ~0.2 ms of latency and of main-thread CPU here, more
-# than an NVMe read. A slower disk moves the reads to worker threads, so it
-# does not hold up every other request.
-INLINE_DISK_READ_S = 0.001
 
-_Read = TypeVar("_Read")
+class PlanFollower(Protocol):
+    """What the reader tells a loader's plans (planner.py): every block a reader asks for."""
 
-
-class MemoryBlocks:
-    """A small LRU of recently used blocks, bounded in count."""
-
-    def __init__(self, capacity_blocks: int) -> None:
-        self.capacity = capacity_blocks
-        self._blocks: collections.OrderedDict[BlockKey, BlockData] = collections.OrderedDict()
-
-    def get(self, key: BlockKey) -> BlockData | None:
-        data = self._blocks.get(key)
-        if data is not None:
-            self._blocks.move_to_end(key)
-        return data
-
-    def put(self, key: BlockKey, data: BlockData) -> None:
-        self._blocks[key] = data
-        self._blocks.move_to_end(key)
-        while len(self._blocks) > self.capacity:
-            self._blocks.popitem(last=False)
-
-
-class SmallDiskReads:
-    """The recent time of a small disk read (exponentially weighted), and whether it is short."""
-
-    def __init__(self, limit_s: float) -> None:
-        self.limit_s = limit_s
-        self.recent_s = 0.0
-
-    @property
-    def fast(self) -> bool:
-        return self.recent_s < self.limit_s
-
-    def timed(self, read: Callable[[], _Read]) -> _Read:
-        """read(), folding its duration into the recent time (any thread)."""
-        started = time.perf_counter()
-        try:
-            return read()
-        finally:
-            self.recent_s += (time.perf_counter() - started - self.recent_s) / 8
+    def observe(self, key: BlockKey) -> None: ...
 
 
 class Reader:
-    """Serves byte ranges of snapshot files."""
+    """Serves byte ranges of snapshot files (trio thread)."""
 
     def __init__(
-        self, cache: BlockCache, fetcher: Fetcher, stats: Stats, readahead: ReadAhead, *, memory_blocks: int
+        self,
+        source: BlockSource,
+        sketch: FrequencySketch,
+        claims: ReadAheadClaims,
+        plans: PlanFollower,
+        readahead: ReadAhead,
+        stats: Stats,
+        *,
+        block_size: int,
     ) -> None:
-        self._cache = cache
-        self._fetcher = fetcher
+        self._source = source
+        self._sketch = sketch  # admission's count of block uses
+        self._claims = claims
+        self._plans = plans
+        self._readahead = readahead  # shown every open and read; fetches what comes next
         self._stats = stats
-        self.block_size = readahead.block_size
-        self._memory = MemoryBlocks(memory_blocks)
-        self._disk_readers = trio.CapacityLimiter(DISK_READ_THREADS)
-        self._small_reads = SmallDiskReads(INLINE_DISK_READ_S)
-        self.readahead = readahead  # shown every read; fetches what comes next
-        # Told of every block a reader asks for; may hand back its bytes (planner.py
-        # follows a loader's plan with it and holds blocks prefetched along it).
-        self.on_block: Callable[[BlockKey], BlockData | None] | None = None
+        self.block_size = block_size
 
-    def forget_memory(self) -> None:
-        """Drop the in-memory blocks (after an evict or purge)."""
-        self._memory = MemoryBlocks(self._memory.capacity)
-
-    # -- the read path ------------------------------------------------------------
+    def open(self, inode: Inode, pid: int, *, passthrough: bool) -> OpenFile:
+        """A new handle of a file (`passthrough`: the kernel reads its data file itself)."""
+        self._readahead.opened(inode, passthrough=passthrough)
+        return OpenFile(inode, pid=pid)
 
     async def read(self, handle: OpenFile, offset: int, size: int) -> bytes | memoryview:
         """Up to `size` bytes at `offset` (short only at end of file)."""
@@ -113,7 +66,7 @@ class Reader:
             return b""
         self._stats.read_bytes += end - offset
         first, last = offset // self.block_size, (end - 1) // self.block_size
-        self.readahead.on_read(handle, offset, end, last)
+        self._readahead.on_read(handle, offset, end, last)
         if first == last:
             base = first * self.block_size
             if handle.sequential_reads < SEQUENTIAL_THRESHOLD and end - offset <= self.block_size // 4:
@@ -142,99 +95,26 @@ class Reader:
             errors.append(exc)
 
     async def _block(self, inode: Inode, blockno: int) -> BlockData:
-        key = BlockKey(inode.file_id, inode.version, blockno)
-        return await self._obtain(inode, key, self._note_used(key))
+        key = self._used(inode, blockno)
+        return await self._source.get(key, blockno * self.block_size, inode.block_length(blockno, self.block_size))
 
     async def _block_part(self, inode: Inode, blockno: int, start: int, stop: int) -> bytes | memoryview:
-        """Bytes [start, stop) of a block, for a small random read.
+        """Bytes [start, stop) of a block, for a small random read."""
+        key = self._used(inode, blockno)
+        part = await self._source.part(key, start, stop)
+        if part is not None:
+            return part
+        data = await self._source.get(key, blockno * self.block_size, inode.block_length(blockno, self.block_size))
+        return _view(data, start, stop)
 
-        When the block is cached but not in memory, only the chunks holding
-        the range are read from disk (and not kept in memory: a random reader
-        rarely comes back to the same block soon). Otherwise as `_block`.
-        """
+    def _used(self, inode: Inode, blockno: int) -> BlockKey:
+        """A reader asks for a block: admission's sketch, the plans and read-ahead's claims hear of it."""
         key = BlockKey(inode.file_id, inode.version, blockno)
-        planned = self._note_used(key)
-        if planned is None and self._memory.get(key) is None and self._fetcher.flight(key) is None:
-            entry = self._cache.entry(key)
-            if entry is not None:
-                part = await self._from_disk(functools.partial(self._cache.read_part, key, entry, start, stop), small=True)
-                if part is not None:
-                    self._stats.block_hits += 1
-                    return part
-        return _view(await self._obtain(inode, key, planned), start, stop)
-
-    def _note_used(self, key: BlockKey) -> BlockData | None:
-        """Tell the frequency sketch and the planner that a block is read. Returns its
-        bytes if they are at hand: held by the planner, or fetched ahead and not yet read."""
-        self._cache.sketch.record(key)
-        planned = self.on_block(key) if self.on_block is not None else None
-        if self._fetcher.prefetched.pop(key):
+        self._sketch.record(key)
+        self._plans.observe(key)
+        if self._claims.pop(key):
             self._stats.readahead_used += 1
-            unread = self._fetcher.take_unread(key)
-            return planned if planned is not None else unread
-        return planned
-
-    async def _obtain(self, inode: Inode, key: BlockKey, planned: BlockData | None) -> BlockData:
-        """A whole block: from memory, the planner, a flight, the cache, else the hub."""
-        data = self._memory.get(key)
-        if data is None and planned is not None:
-            data = planned
-            self._memory.put(key, data)
-        if data is None:
-            deadline = self._fetcher.deadline()  # the read's own fetch timeout starts here
-            flight = self._fetcher.flight(key)
-            if flight is not None:
-                if flight.done.is_set():
-                    data = await self._fetcher.join(flight, deadline)  # fetched, being written: no second request
-                else:
-                    started = trio.current_time()
-                    try:
-                        data = await self._fetcher.join(flight, deadline)  # being fetched: no second request
-                    finally:
-                        self._note_stall(trio.current_time() - started)
-            else:
-                data = await self._cached(key)
-            if data is not None:
-                self._memory.put(key, data)
-        if data is not None:
-            self._stats.block_hits += 1
-            return data
-        self._stats.block_misses += 1  # (also a joined fetch that ended without the bytes: fetched again)
-        started = trio.current_time()
-        try:
-            start, length = key.blockno * self.block_size, inode.block_length(key.blockno, self.block_size)
-            data = await self._fetcher.fetch(key, start, length, deadline)
-        finally:
-            self._note_stall(trio.current_time() - started)
-        self._memory.put(key, data)
-        return data
-
-    async def _cached(self, key: BlockKey) -> BlockData | None:
-        """A block from the local cache, None if it is not there."""
-        entry = self._cache.entry(key)
-        if entry is None:
-            return None
-        return await self._from_disk(functools.partial(self._cache.read, key, entry))
-
-    async def _from_disk(self, read: Callable[..., _Read], *, small: bool = False) -> _Read:
-        """`read(nowait=True)` when its bytes are in the page cache; else `read()`
-        in a worker thread (several at once keep the NVMe busy), or, if it is
-        `small` and small disk reads have been fast, on the trio thread."""
-        try:
-            return read(nowait=True)
-        except BlockingIOError:
-            self._stats.disk_reads += 1
-        if not small:
-            return await trio.to_thread.run_sync(read, limiter=self._disk_readers)
-        if self._small_reads.fast:
-            self._stats.disk_reads_inline += 1
-            return self._small_reads.timed(read)
-        return await trio.to_thread.run_sync(self._small_reads.timed, read, limiter=self._disk_readers)
-
-    def _note_stall(self, waited_s: float) -> None:
-        self._stats.stall_seconds += waited_s
-        self._stats.stalled_blocks += 1
-        STALL_DURATION.observe(waited_s)
+        return key
 
 
 def _view(data: BlockData, start: int, stop: int) -> bytes | memoryview:

@@ -5,7 +5,6 @@ a fetch late, small files asked for one by one."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import signal
 import threading
@@ -22,12 +21,28 @@ from hub_helpers import HubProcess, running_hub, scrape_metrics
 from test_hub_checksums import manifest_files
 
 from cachefs.cache import BlockCache, BlockKey
-from cachefs.config import parse_hub_url
-from cachefs.fetcher import AHEAD_HELD_BYTES, PREFETCHED_MAX_AGE_S, WRITE_QUEUE_BYTES, FetchedAhead, Fetcher, ReadAheadClaims
+from cachefs.config import MemoryBudget, parse_hub_url
+from cachefs.fetcher import Fetcher
 from cachefs.hub_client import HubClient
 from cachefs.metrics import Stats
+from cachefs.read.blocks import BlockSource
+from cachefs.read.claims import CLAIM_MAX_AGE_S, ReadAheadClaims
+from cachefs.read.held import HeldBlocks, Owner
 
 BLOCK = 1 << 20
+
+
+def budget_of(read_ahead_held_bytes: int = 16 * BLOCK, stale_s: float = 5.0) -> MemoryBudget:
+    """The memory budget of a mount of 1 MiB blocks, with read-ahead's held share as given."""
+    return MemoryBudget(
+        block_size_bytes=BLOCK, demand_bytes=8 * BLOCK, demand_fetch_bytes=32 * BLOCK, write_queue_bytes=16 * BLOCK,
+        read_ahead_runs_bytes=64 * BLOCK, read_ahead_held_bytes=read_ahead_held_bytes, read_ahead_max_age_s=30,
+        read_ahead_stale_s=stale_s, plan_bytes=96 * BLOCK,
+    )
+
+
+BUDGET = budget_of()
+WRITE_QUEUE_BYTES = BUDGET.write_queue_bytes
 BLOCKS = WRITE_QUEUE_BYTES // BLOCK + 8  # more than the writer's room holds
 
 
@@ -40,11 +55,19 @@ def big_file_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str
         yield hub.url, {**entry, "path": root / "big.bin", "hub": hub}
 
 
-def fetcher_for(url: str, cache: BlockCache, fetch_timeout_s: float = 10, stats: Stats | None = None) -> Fetcher:
-    client = HubClient(parse_hub_url(url), max_connections=8, connect_timeout_s=5, read_timeout_s=5)
+def fetcher_for(url: str, cache: BlockCache, fetch_timeout_s: float = 10, stats: Stats | None = None,
+                max_connections: int = 8, prefetch_connections: int = 4) -> Fetcher:
+    client = HubClient(parse_hub_url(url), max_connections=max_connections, connect_timeout_s=5, read_timeout_s=5)
     return Fetcher(
-        client, cache, stats or Stats(), fetch_timeout_s=fetch_timeout_s, prefetch_connections=4, block_size=BLOCK
+        client, cache, HeldBlocks(BUDGET), ReadAheadClaims(), stats or Stats(), budget=BUDGET,
+        fetch_timeout_s=fetch_timeout_s, prefetch_connections=prefetch_connections,
     )
+
+
+def held_for_first_read(held: HeldBlocks, key: BlockKey, data: bytes, now: float, cached: bool) -> None:
+    """A block read-ahead fetched, written (`cached`: and admitted) and not read yet, as the fetcher holds it."""
+    held.arrived(key, data, Owner.READ_AHEAD, now)
+    held.settled(key, now, cached=cached, claimed=True, discarded=False)
 
 
 @contextlib.contextmanager
@@ -73,7 +96,7 @@ async def test_a_prefetch_cancelled_waiting_for_the_writer_leaves_no_flight(
     with block_cache(tmp_path, 4 * BLOCKS * BLOCK, BLOCK) as cache:
         fetcher = fetcher_for(url, cache)  # no writer runs: its room fills and stays full
         with trio.move_on_after(5) as scope:
-            await fetcher.prefetch(keys, 0, [BLOCK] * BLOCKS)
+            await fetcher.read_ahead(keys, 0, [BLOCK] * BLOCKS)
         assert scope.cancelled_caught  # it waited for room
         queued = WRITE_QUEUE_BYTES // BLOCK
         assert all(fetcher.flight(key) is not None for key in keys[:queued])  # on their way to the writer
@@ -93,7 +116,7 @@ async def test_the_writer_backlog_counts_the_fetches_waiting_for_its_room(
         fetcher = fetcher_for(url, cache)
         async with trio.open_nursery() as nursery:
             for first in range(0, 24, 4):
-                nursery.start_soon(fetcher.prefetch, keys[first : first + 4], first * BLOCK, [BLOCK] * 4)
+                nursery.start_soon(fetcher.read_ahead, keys[first : first + 4], first * BLOCK, [BLOCK] * 4)
             await trio.testing.wait_all_tasks_blocked()  # every run has its flights
             with trio.fail_after(10):
                 for key in keys:  # all fetched: 16 blocks queued for the writer, 2 runs waiting
@@ -125,7 +148,7 @@ async def test_read_ahead_memory_counts_its_requests_until_queued_and_what_it_ho
         async with trio.open_nursery() as nursery:
             with hub_paused(entry["hub"]):  # no answer can come before the check (a fast one did, under load)
                 for first in range(0, 20, 4):  # the writer stopped: its room (16 blocks) fills, one run waits
-                    nursery.start_soon(fetcher.prefetch, keys[first : first + 4], first * BLOCK, [BLOCK] * 4)
+                    nursery.start_soon(fetcher.read_ahead, keys[first : first + 4], first * BLOCK, [BLOCK] * 4)
                 await trio.testing.wait_all_tasks_blocked()
                 assert fetcher.readahead_memory_bytes() == 20 * BLOCK  # asked for
             with trio.fail_after(10):
@@ -133,8 +156,8 @@ async def test_read_ahead_memory_counts_its_requests_until_queued_and_what_it_ho
                     await fetcher.flight(key).done.wait()  # type: ignore[union-attr]
             assert WRITE_QUEUE_BYTES == 16 * BLOCK
             assert fetcher.readahead_memory_bytes() == 4 * BLOCK  # the run that waits for the writer's room
-            nursery.start_soon(functools.partial(  # a plan's run: its memory is the planner's to count
-                fetcher.prefetch, keys[20:24], 20 * BLOCK, [BLOCK] * 4, count_readahead=False))
+            nursery.start_soon(  # a warm-up's run: not read-ahead's memory
+                fetcher.warm, keys[20:24], 20 * BLOCK, [BLOCK] * 4)
             await trio.testing.wait_all_tasks_blocked()
             with trio.fail_after(10):
                 for key in keys[20:]:
@@ -144,10 +167,10 @@ async def test_read_ahead_memory_counts_its_requests_until_queued_and_what_it_ho
             with trio.fail_after(10):
                 await fetcher.written(set(keys))
             nursery.cancel_scope.cancel()
-        # Written, none read: what read-ahead holds for first reads (AHEAD_HELD_BYTES at most).
-        assert fetcher.readahead_memory_bytes() == AHEAD_HELD_BYTES
+        # Written, none read: what read-ahead holds for first reads (its share at most).
+        assert fetcher.readahead_memory_bytes() == BUDGET.read_ahead_held_bytes
         for key in keys[:20]:
-            fetcher.take_unread(key)
+            fetcher._held.use(key, trio.current_time())  # read: the reader's now
         assert fetcher.readahead_memory_bytes() == 0
 
 
@@ -172,7 +195,7 @@ async def test_read_ahead_waiting_for_the_writer_holds_no_prefetch_slot(
 
         async with trio.open_nursery() as nursery:
             for first in range(0, 24, 4):  # the writer stopped: its room full, 2 runs waiting
-                nursery.start_soon(fetcher.prefetch, keys[first : first + 4], first * BLOCK, [BLOCK] * 4)
+                nursery.start_soon(fetcher.read_ahead, keys[first : first + 4], first * BLOCK, [BLOCK] * 4)
             await trio.testing.wait_all_tasks_blocked()  # every run has its flights
             with trio.fail_after(10):
                 for key in keys:
@@ -225,11 +248,11 @@ async def test_a_read_that_joins_a_fetch_late_gets_its_own_fetch_timeout(
         fetcher = fetcher_for(slow.url, cache, fetch_timeout_s=2, stats=stats)
         async with trio.open_nursery() as nursery:
             await nursery.start(fetcher.run_writer)
-            nursery.start_soon(fetcher.prefetch, [key], 0, [BLOCK])  # its request held past its timeout
+            nursery.start_soon(fetcher.read_ahead, [key], 0, [BLOCK])  # its request held past its timeout
             await trio.sleep(1.5)
             slow.delay_s = 0.0  # the hub answers again
             joined = trio.current_time()
-            data = await fetcher.fetch(key, 0, BLOCK)  # joins the read-ahead's fetch
+            data = await BlockSource(fetcher._held, cache, fetcher, stats).get(key, 0, BLOCK)  # joins the read-ahead's fetch
             waited_s = trio.current_time() - joined
             nursery.cancel_scope.cancel()
     assert bytes(data) == entry["path"].read_bytes()[:BLOCK]
@@ -259,7 +282,8 @@ async def test_a_run_of_blocks_comes_with_its_checksums_in_one_request(
     fetched: dict[BlockKey, bytes] = {}
     with block_cache(tmp_path, 8 * BLOCK, BLOCK) as cache:
         fetcher = fetcher_for(url, cache)
-        assert await fetcher.prefetch(keys, 0, [BLOCK] * 4, on_fetched=lambda key, data: fetched.update({key: bytes(data)}))
+        assert await fetcher.read_ahead(keys, 0, [BLOCK] * 4)
+        fetched.update({key: bytes(fetcher._held.get(key) or b"") for key in keys})
     source = entry["path"].read_bytes()
     assert [fetched[key] for key in keys] == [source[index * BLOCK : (index + 1) * BLOCK] for index in range(4)]
     deadline = time.monotonic() + 5
@@ -293,15 +317,14 @@ async def test_small_files_asked_one_by_one_stay_within_the_prefetch_slots(
     url, entries = small_files_hub
     keys = [block_keys(entry, 1)[0] for entry in entries]
     with block_cache(tmp_path, 64 * BLOCK, BLOCK) as cache, running_fault_proxy(url, 0.0, delay_s=0.25) as slow:
-        client = HubClient(parse_hub_url(slow.url), max_connections=64, connect_timeout_s=5, read_timeout_s=5)
-        fetcher = Fetcher(client, cache, Stats(), fetch_timeout_s=10, prefetch_connections=SLOTS, block_size=BLOCK)
+        fetcher = fetcher_for(slow.url, cache, max_connections=64, prefetch_connections=SLOTS)
         fetcher.batches = False  # as after a hub answered a batch with 404
         async with trio.open_nursery() as nursery:
             await nursery.start(fetcher.run_writer)
 
             async def walk() -> None:
                 async with fetcher.prefetch_slots:  # as read-ahead calls it
-                    assert await fetcher.prefetch_files(keys, [entry["s"] for entry in entries])
+                    assert await fetcher.read_ahead_files(keys, [entry["s"] for entry in entries])
 
             nursery.start_soon(walk)
             await trio.sleep(0.1)
@@ -320,14 +343,14 @@ async def test_small_files_asked_one_by_one_stay_within_the_prefetch_slots(
 
 def test_blocks_kept_for_their_reader_are_bounded_in_bytes_and_time() -> None:
     """A stream reads them oldest first: when full, the newest are not kept; unread ones expire."""
-    held = FetchedAhead(limit_bytes=2 * BLOCK, max_age_s=30)
+    held = HeldBlocks(budget_of(read_ahead_held_bytes=2 * BLOCK))
     first, second, third = (BlockKey(b"f" * 8, b"v" * 8, blockno) for blockno in range(3))
     for key in (first, second, third):
-        held.hold(key, bytes(BLOCK), now=0, cached=False)
-    assert held.take(third) is None  # no room when it came
-    assert held.take(first) is not None and held.take(first) is None  # once
-    held.hold(third, bytes(BLOCK), now=31, cached=False)  # `second` has waited too long
-    assert held.take(second) is None and held.take(third) is not None
+        held_for_first_read(held, key, bytes(BLOCK), now=0, cached=False)
+    assert held.drop(third) is None  # no room when it came
+    assert held.drop(first) is not None and held.drop(first) is None  # once
+    held_for_first_read(held, third, bytes(BLOCK), now=31, cached=False)  # `second` has waited too long
+    assert held.drop(second) is None and held.drop(third) is not None
 
 
 def test_read_ahead_claims_are_bounded_in_count_and_age() -> None:
@@ -354,36 +377,36 @@ async def test_the_fetcher_forgets_read_ahead_nobody_read(
     keys = block_keys(entry, 2)
     with block_cache(tmp_path, 64 * BLOCK, BLOCK) as cache:
         fetcher = fetcher_for(url, cache)
-        assert await fetcher.prefetch(keys[:1], 0, [BLOCK])
-        mock_clock.jump(PREFETCHED_MAX_AGE_S / 2)
-        assert await fetcher.prefetch(keys[1:], BLOCK, [BLOCK])
-        assert fetcher.prefetched.current(trio.current_time()) == set(keys)
-        mock_clock.jump(PREFETCHED_MAX_AGE_S / 2)
-        assert fetcher.prefetched.current(trio.current_time()) == {keys[1]}
+        assert await fetcher.read_ahead(keys[:1], 0, [BLOCK])
+        mock_clock.jump(CLAIM_MAX_AGE_S / 2)
+        assert await fetcher.read_ahead(keys[1:], BLOCK, [BLOCK])
+        assert fetcher._claims.current(trio.current_time()) == set(keys)
+        mock_clock.jump(CLAIM_MAX_AGE_S / 2)
+        assert fetcher._claims.current(trio.current_time()) == {keys[1]}
 
 
 def test_blocks_held_long_make_room_for_new_ones() -> None:
     """A block nobody came for in `stale_s` (a wrong guess of the next file, a stream given up)
     does not keep the stream's new blocks out: the oldest such make room, only as much as needed."""
-    held = FetchedAhead(limit_bytes=2 * BLOCK, max_age_s=30, stale_s=5)
+    held = HeldBlocks(budget_of(read_ahead_held_bytes=2 * BLOCK, stale_s=5))
     first, second, third, fourth = (BlockKey(b"f" * 8, b"v" * 8, blockno) for blockno in range(4))
-    held.hold(first, bytes(BLOCK), now=0, cached=True)
-    held.hold(second, bytes(BLOCK), now=1, cached=True)
-    held.hold(third, bytes(BLOCK), now=4, cached=True)  # full, and nothing stale: not kept
-    assert held.take(third) is None
-    held.hold(fourth, bytes(BLOCK), now=5.5, cached=True)  # `first` waited 5 s: it makes room
-    assert [held.take(key) is not None for key in (first, second, fourth)] == [False, True, True]
+    held_for_first_read(held, first, bytes(BLOCK), now=0, cached=True)
+    held_for_first_read(held, second, bytes(BLOCK), now=1, cached=True)
+    held_for_first_read(held, third, bytes(BLOCK), now=4, cached=True)  # full, and nothing stale: not kept
+    assert held.drop(third) is None
+    held_for_first_read(held, fourth, bytes(BLOCK), now=5.5, cached=True)  # `first` waited 5 s: it makes room
+    assert [held.drop(key) is not None for key in (first, second, fourth)] == [False, True, True]
 
 
 def test_cached_blocks_are_not_dropped_for_a_refused_one_that_would_not_fit_anyway() -> None:
-    held = FetchedAhead(limit_bytes=4 * BLOCK, max_age_s=30)
+    held = HeldBlocks(budget_of(read_ahead_held_bytes=4 * BLOCK))
     refused = [BlockKey(b"f" * 8, b"v" * 8, n) for n in range(3)]
     cached, too_large = BlockKey(b"f" * 8, b"v" * 8, 3), BlockKey(b"f" * 8, b"v" * 8, 4)
     for key in refused:
-        held.hold(key, bytes(BLOCK), now=0, cached=False)
-    held.hold(cached, bytes(BLOCK // 2), now=0, cached=True)
-    held.hold(too_large, bytes(2 * BLOCK), now=0, cached=False)  # 0.5 free, 1 even without `cached`
-    assert held.take(too_large) is None and held.take(cached) is not None
+        held_for_first_read(held, key, bytes(BLOCK), now=0, cached=False)
+    held_for_first_read(held, cached, bytes(BLOCK // 2), now=0, cached=True)
+    held_for_first_read(held, too_large, bytes(2 * BLOCK), now=0, cached=False)  # 0.5 free, 1 even without `cached`
+    assert held.drop(too_large) is None and held.drop(cached) is not None
 
 
 @pytest.mark.trio
@@ -407,23 +430,23 @@ async def test_blocks_evicted_while_the_writer_commits_them_are_not_held_for_the
         fetcher = fetcher_for(url, cache)
         async with trio.open_nursery() as nursery:
             await nursery.start(fetcher.run_writer)
-            assert await fetcher.prefetch(keys, 0, [BLOCK] * len(keys))
+            assert await fetcher.read_ahead(keys, 0, [BLOCK] * len(keys))
             assert await trio.to_thread.run_sync(in_write.wait, 10)  # the writer is writing them
             fetcher.discard_pending(lambda key: key.file_id == keys[0].file_id)  # what evict does first
             go_on.set()
             await fetcher.written(set(keys), timeout_s=10)
             nursery.cancel_scope.cancel()
-        assert [fetcher.take_unread(key) for key in keys] == [None] * len(keys)
+        assert [fetcher._held.get(key) for key in keys] == [None] * len(keys)
 
 
 def test_blocks_the_cache_did_not_admit_take_the_place_of_cached_ones() -> None:
     """Their reader would fetch them again; a cached block can be read from disk."""
-    held = FetchedAhead(limit_bytes=2 * BLOCK, max_age_s=30)
+    held = HeldBlocks(budget_of(read_ahead_held_bytes=2 * BLOCK))
     cached_first, cached_second, rejected, cached_third = (BlockKey(b"f" * 8, b"v" * 8, n) for n in range(4))
-    held.hold(cached_first, bytes(BLOCK), now=0, cached=True)
-    held.hold(cached_second, bytes(BLOCK), now=0, cached=True)
-    held.hold(rejected, bytes(BLOCK), now=0, cached=False)  # the newest cached one makes room
-    held.hold(cached_third, bytes(BLOCK), now=0, cached=True)  # no room
-    assert [held.take(key) is not None for key in (cached_first, cached_second, rejected, cached_third)] == [
+    held_for_first_read(held, cached_first, bytes(BLOCK), now=0, cached=True)
+    held_for_first_read(held, cached_second, bytes(BLOCK), now=0, cached=True)
+    held_for_first_read(held, rejected, bytes(BLOCK), now=0, cached=False)  # the newest cached one makes room
+    held_for_first_read(held, cached_third, bytes(BLOCK), now=0, cached=True)  # no room
+    assert [held.drop(key) is not None for key in (cached_first, cached_second, rejected, cached_third)] == [
         True, False, True, False
     ]

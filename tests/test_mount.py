@@ -35,9 +35,8 @@ from mount_helpers import (
 from test_hub_checksums import manifest_files
 
 from cachefs.cache.block_cache import CHUNK_BYTES
-from cachefs.config import MountConfig, parse_hub_url
+from cachefs.config import READAHEAD_RUNS_IN_FLIGHT, MountConfig, parse_hub_url
 from cachefs.daemon import FUSECTL_DIR
-from cachefs.readahead import READAHEAD_RUNS_IN_FLIGHT
 
 
 def read_uncached(path: Path, offset: int = 0, length: int | None = None, timings: list[float] | None = None) -> bytes:

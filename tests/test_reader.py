@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cachefs.reader import INLINE_DISK_READ_S, SmallDiskReads
+from cachefs.read.blocks import INLINE_DISK_READ_S, SmallDiskReads
 
 
 def test_small_disk_reads_stay_inline_only_while_the_disk_is_fast() -> None:

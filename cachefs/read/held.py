@@ -1,0 +1,256 @@
+"""Block bytes held in daemon memory: one store, an owner per entry, each owner within its share of the budget.
+
+A block's bytes are held from the moment they arrive from the hub (while
+the cache writer commits them: readers of its flight take them from here)
+until their owner lets go:
+
+- `DEMAND`: blocks readers used lately, least recently used first out, so
+  the kernel's several smaller requests into one block cost one disk read;
+- `READ_AHEAD`: blocks read-ahead fetched before their first read, kept
+  until that read (written with O_DIRECT, they are not in the page cache);
+- `PLAN`: blocks prefetched along a loader's plan, kept until their planned
+  use (the planner bounds them, in flight and held, by its share);
+- `WARM`: an operator's warm-up, held only until written.
+
+A reader that uses a block takes it over as `DEMAND`. Every call runs on
+the trio thread, except `note_of`, which the cache writer's thread may call
+(one dict read).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from ..cache import BlockData, BlockKey
+from ..config import MemoryBudget
+
+
+class Owner(enum.Enum):
+    DEMAND = "demand"
+    READ_AHEAD = "read-ahead"
+    PLAN = "plan"
+    WARM = "warm"
+
+
+class HoldNote(Protocol):
+    """What an owner learns about one of its held blocks (the planner counts its prefetch with it)."""
+
+    def wanted(self) -> bool:
+        """Whether the block is still worth holding once written."""
+        ...
+
+    def used(self) -> None:
+        """A reader took the block."""
+        ...
+
+    def wasted(self) -> None:
+        """The block was dropped unread."""
+        ...
+
+
+@dataclasses.dataclass(slots=True)
+class Held:
+    data: BlockData
+    owner: Owner
+    since_s: float  # when it arrived or was last used (trio clock)
+    writing: bool  # on its way to the cache: held whatever the owner's share, until written
+    cached: bool = False  # the cache has it too (so a held read-ahead block is readable from disk)
+    note: HoldNote | None = None
+
+
+class HeldBlocks:
+    """The daemon's only store of block bytes in memory (see the module's docstring)."""
+
+    def __init__(self, budget: MemoryBudget) -> None:
+        self._budget = budget
+        self._entries: dict[BlockKey, Held] = {}
+        # Per owner, oldest first (DEMAND: least recently used first).
+        self._order: dict[Owner, collections.OrderedDict[BlockKey, None]] = {
+            owner: collections.OrderedDict() for owner in Owner
+        }
+        self._bytes: collections.Counter[Owner] = collections.Counter()
+        self._writing_bytes: collections.Counter[Owner] = collections.Counter()  # of those, on their way to the cache
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def bytes_of(self, owner: Owner, *, writing: bool = True) -> int:
+        """Bytes held for `owner` (without `writing`: only those the cache writer is done with)."""
+        return self._bytes[owner] if writing else self._bytes[owner] - self._writing_bytes[owner]
+
+    def keys_of(self, owner: Owner) -> Iterator[tuple[BlockKey, Held]]:
+        """The owner's entries, oldest first (a copy: the caller may drop some)."""
+        for key in list(self._order[owner]):
+            yield key, self._entries[key]
+
+    def note_of(self, key: BlockKey, owner: Owner) -> HoldNote | None:
+        """The note of the block if `owner` holds it (any thread: one dict read)."""
+        held = self._entries.get(key)
+        return held.note if held is not None and held.owner is owner else None
+
+    # -- arrivals -------------------------------------------------------------------
+
+    def arrived(self, key: BlockKey, data: BlockData, owner: Owner, now: float, note: HoldNote | None = None) -> None:
+        """A fetched block's verified bytes, held while the cache writer commits them."""
+        self.drop(key)
+        self._add(key, Held(data, owner, now, writing=True, note=note))
+
+    def settled(self, key: BlockKey, now: float, *, cached: bool, claimed: bool, discarded: bool) -> None:
+        """The cache writer is done with the block (or it will not be written): its owner's
+        share decides whether it stays. `claimed`: read-ahead still waits for its first read;
+        `discarded`: an evict or purge dropped it meanwhile."""
+        held = self._entries.get(key)
+        if held is None or not held.writing:
+            return
+        held.writing = False
+        self._writing_bytes[held.owner] -= len(held.data)
+        held.cached = cached
+        keep = {
+            Owner.DEMAND: True,
+            Owner.READ_AHEAD: claimed,
+            Owner.PLAN: held.note is None or held.note.wanted(),
+            Owner.WARM: False,
+        }[held.owner]
+        if discarded or not keep:
+            self.drop(key)
+        elif held.owner is Owner.DEMAND:
+            self._trim_demand()
+        elif held.owner is Owner.READ_AHEAD:
+            self._fit_read_ahead(key, held, now)
+
+    # -- readers --------------------------------------------------------------------
+
+    def get(self, key: BlockKey) -> BlockData | None:
+        """The block's bytes if held, without taking them over."""
+        held = self._entries.get(key)
+        return held.data if held is not None else None
+
+    def use(self, key: BlockKey, now: float) -> BlockData | None:
+        """A reader uses the block: its bytes if held, which become DEMAND's (most recently used)."""
+        held = self._entries.get(key)
+        if held is None:
+            return None
+        if held.owner is not Owner.DEMAND:
+            if held.note is not None:
+                held.note.used()
+            self._retag(key, held, Owner.DEMAND)
+        else:
+            self._order[Owner.DEMAND].move_to_end(key)
+        held.since_s = now
+        held.note = None
+        self._trim_demand()
+        return held.data
+
+    def remember(self, key: BlockKey, data: BlockData, now: float) -> None:
+        """A block a reader just read from disk, as DEMAND's most recently used."""
+        if key not in self._entries:
+            self._add(key, Held(data, Owner.DEMAND, now, writing=False))
+            self._trim_demand()
+
+    # -- letting go -----------------------------------------------------------------
+
+    def drop(self, key: BlockKey) -> BlockData | None:
+        """Forget a block (its note hears it was wasted unless a reader had it); its bytes, if held."""
+        held = self._entries.pop(key, None)
+        if held is None:
+            return None
+        del self._order[held.owner][key]
+        self._bytes[held.owner] -= len(held.data)
+        if held.writing:
+            self._writing_bytes[held.owner] -= len(held.data)
+        if held.note is not None:
+            held.note.wasted()
+        return held.data
+
+    def discard(self, predicate: Callable[[BlockKey], bool]) -> None:
+        """Drop the blocks `predicate` picks that are not on their way to the cache (evict, purge:
+        those are dropped when written, as the fetcher marks them)."""
+        for key in [key for key, held in self._entries.items() if not held.writing and predicate(key)]:
+            self.drop(key)
+
+    def expire(self, owner: Owner, now: float, age_s: float) -> None:
+        """Drop the owner's blocks held `age_s` or longer (not those being written)."""
+        for key, held in self.keys_of(owner):
+            if now - held.since_s < age_s:
+                break
+            if not held.writing:
+                self.drop(key)
+
+    # -- shares ---------------------------------------------------------------------
+
+    def _add(self, key: BlockKey, held: Held) -> None:
+        self._entries[key] = held
+        self._order[held.owner][key] = None
+        self._bytes[held.owner] += len(held.data)
+        if held.writing:
+            self._writing_bytes[held.owner] += len(held.data)
+
+    def _retag(self, key: BlockKey, held: Held, owner: Owner) -> None:
+        del self._order[held.owner][key]
+        self._bytes[held.owner] -= len(held.data)
+        if held.writing:
+            self._writing_bytes[held.owner] -= len(held.data)
+        held.owner = owner
+        self._order[owner][key] = None
+        self._bytes[owner] += len(held.data)
+        if held.writing:
+            self._writing_bytes[owner] += len(held.data)
+
+    def _trim_demand(self) -> None:
+        """Least recently used DEMAND blocks out while over its share (not those being written)."""
+        limit = self._budget.demand_bytes
+        if self._bytes[Owner.DEMAND] <= limit:
+            return
+        for key, held in self.keys_of(Owner.DEMAND):
+            if self._bytes[Owner.DEMAND] <= limit:
+                return
+            if not held.writing:
+                self.drop(key)
+
+    def _fit_read_ahead(self, key: BlockKey, held: Held, now: float) -> None:
+        """Keep a written read-ahead block within read-ahead's share, or drop it.
+
+        A stream reads its blocks oldest first, so when the share is used up
+        the newest block is not kept; except that blocks held
+        `read_ahead_stale_s` or longer make room (a wrong guess of a reader's
+        next file, a stream given up: nobody is coming for them), and that a
+        block the cache did not admit takes the place of the newest cached
+        ones (those can be read from disk). Blocks left unread expire after
+        `read_ahead_max_age_s`.
+        """
+        budget = self._budget
+        self.expire(Owner.READ_AHEAD, now, budget.read_ahead_max_age_s)
+        if key not in self._entries:
+            return
+        size = len(held.data)
+        held.since_s = now
+        self._order[Owner.READ_AHEAD].move_to_end(key)
+
+        def others() -> int:
+            return self._settled_read_ahead_bytes() - size
+
+        if others() + size <= budget.read_ahead_held_bytes:
+            return
+        for old_key, old in self.keys_of(Owner.READ_AHEAD):  # the stale make room, only as much as needed
+            if others() + size <= budget.read_ahead_held_bytes or now - old.since_s < budget.read_ahead_stale_s:
+                break
+            if old_key != key and not old.writing:
+                self.drop(old_key)
+        if not held.cached and others() + size > budget.read_ahead_held_bytes:
+            cached = [k for k, h in reversed(list(self.keys_of(Owner.READ_AHEAD)))
+                      if k != key and h.cached and not h.writing]
+            if others() - sum(len(self._entries[k].data) for k in cached) + size <= budget.read_ahead_held_bytes:
+                for cached_key in cached:
+                    if others() + size <= budget.read_ahead_held_bytes:
+                        break
+                    self.drop(cached_key)
+        if others() + size > budget.read_ahead_held_bytes:
+            self.drop(key)
+
+    def _settled_read_ahead_bytes(self) -> int:
+        """Read-ahead's held bytes that count against its share (those written)."""
+        return self._bytes[Owner.READ_AHEAD] - self._writing_bytes[Owner.READ_AHEAD]
