@@ -39,21 +39,18 @@ class Admin:
         cache: BlockCache,
         fetcher: Fetcher,
         stats: Stats,
+        *,
+        refresh: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+        sections: dict[str, Callable[[], dict[str, Any]]] | None = None,
     ) -> None:
         self._config = config
         self._namespace = namespace
         self._cache = cache
         self._fetcher = fetcher
         self._stats = stats
-        self._refresh: Callable[[], Awaitable[dict[str, Any]]] | None = None
-        self._sections: dict[str, Callable[[], dict[str, Any]]] = {}
-
-    def add_section(self, name: str, snapshot: Callable[[], dict[str, Any]]) -> None:
-        """Another component's numbers, under `name` in every stats snapshot (e.g. the planner's)."""
-        self._sections[name] = snapshot
-
-    def on_refresh(self, refresh: Callable[[], Awaitable[dict[str, Any]]]) -> None:
-        self._refresh = refresh
+        self._refresh = refresh  # moves the mount to the hub's current generation
+        # Other components' numbers, each under its name in every stats snapshot (the planner's).
+        self._sections = dict(sections or {})
 
     def handlers(self) -> dict[str, Handler]:
         return {

@@ -37,11 +37,11 @@ from .metrics import Stats, serve_metrics, training_gauges
 from .mountpoints import find_mount
 from .namespace import Changes, Namespace
 from .passthrough import Passthrough
-from .planner import Planner
+from .planner import ActivePlans, Planner
 from .read.blocks import BlockSource
 from .read.claims import ReadAheadClaims
 from .read.held import HeldBlocks
-from .readahead import ReadAhead
+from .readahead import OpenFiles, ReadAhead
 from .reader import Reader
 from .snapshots import Snapshots
 
@@ -161,15 +161,17 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
         ssl_context=_ssl_context(config),
     )
     namespace = Namespace(namespace_db)
-    snapshots = Snapshots(config, client, namespace_db, namespace)
+    handles = OpenFiles()
+    snapshots = Snapshots(config, client, namespace_db, namespace, handles.versions)
     behind = await snapshots.load_at_mount()
     budget = memory_budget(config)
     over = budget.over_target()
     if over is not None:
         log.warning("%s", over)
-    cache = BlockCache(index_db, config.cache_dir, config.cache_size_bytes, config.block_size_bytes, stats)
     held = HeldBlocks(budget)
     claims = ReadAheadClaims()
+    plans = ActivePlans(held)
+    cache = BlockCache(index_db, config.cache_dir, config.cache_size_bytes, config.block_size_bytes, stats, advisor=plans)
     fetcher = Fetcher(
         client,
         cache,
@@ -184,14 +186,13 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(fetcher.run_writer)
-            planner = Planner(namespace, cache, fetcher, held, stats, budget=budget, cache_dir=config.cache_dir)
+            planner = Planner(namespace, cache, fetcher, held, plans, stats, budget=budget, cache_dir=config.cache_dir)
             await nursery.start(planner.run)
-            cache.advisor = planner
             readahead = ReadAhead(
                 namespace,
                 cache,
                 fetcher,
-                planner,
+                plans,
                 stats,
                 block_size=config.block_size_bytes,
                 readahead_blocks=config.readahead_blocks,
@@ -200,8 +201,6 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
             )
             source = BlockSource(held, cache, fetcher, stats)
             reader = Reader(source, cache.sketch, claims, planner, readahead, stats, block_size=config.block_size_bytes)
-            admin = Admin(config, namespace, cache, fetcher, stats)
-            admin.add_section("training", planner.snapshot)
 
             async def refresh() -> dict[str, Any]:
                 # Plans resolved against the old snapshot end once the new one is loaded;
@@ -212,12 +211,13 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
                     lambda generation: planner.cancel_all("the mount moved to a new snapshot", generation),
                 )
 
-            admin.on_refresh(refresh)
-            passthrough = Passthrough(cache, stats, enabled=config.passthrough)
+            admin = Admin(config, namespace, cache, fetcher, stats, refresh=refresh, sections={"training": planner.snapshot})
+            passthrough = Passthrough(cache, plans, stats, enabled=config.passthrough)
             await nursery.start(passthrough.run_verifier)
             operations = CachefsOperations(
                 namespace,
                 reader,
+                handles,
                 passthrough,
                 stats,
                 uid=os.getuid(),
@@ -225,7 +225,6 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
                 attr_timeout_s=config.attr_timeout_s,
                 stats_json=lambda: {"pid": os.getpid(), **admin.snapshot()},
             )
-            snapshots.open_versions = operations.open_versions
             control = ControlServer(admin.handlers(), {"plan": planner.handle_plan})
             await nursery.start(control.serve, config.cache_dir / SOCKET_NAME)
             if config.metrics_listen is not None:

@@ -24,7 +24,7 @@ from .errors import HubError, OpenInAnotherVersion, RemoteFileChanged
 from .metrics import READ_DURATION, Stats
 from .namespace import KIND_DIR, KIND_FILE, Inode, Namespace
 from .passthrough import Passthrough
-from .readahead import OpenFile
+from .readahead import OpenFiles
 from .reader import Reader
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,7 @@ class CachefsOperations(pyfuse3.Operations):
         self,
         namespace: Namespace,
         reader: Reader,
+        handles: OpenFiles,
         passthrough: Passthrough,
         stats: Stats,
         *,
@@ -128,18 +129,13 @@ class CachefsOperations(pyfuse3.Operations):
         self._gid = gid
         self._attr_timeout_s = attr_timeout_s
         self._stats_json = stats_json
-        self._handles: dict[int, OpenFile] = {}
+        self._handles = handles
         self._cached_handles: set[int] = set()  # read through the kernel's page cache (PageCacheVersions)
         self._page_cache = PageCacheVersions()
-        self._next_handle = 1
         self.initialized = False  # set once the kernel's FUSE_INIT was answered
 
     def init(self) -> None:
         self.initialized = True
-
-    def open_versions(self) -> set[tuple[bytes, bytes]]:
-        """(file id, version) of every file open now (trio thread)."""
-        return {(handle.inode.file_id, handle.inode.version) for handle in self._handles.values()}
 
     # -- metadata ---------------------------------------------------------------
 
@@ -238,14 +234,12 @@ class CachefsOperations(pyfuse3.Operations):
         entry = self._inode(inode)
         if not entry.is_file:
             raise pyfuse3.FUSEError(errno.EISDIR if entry.is_dir else errno.EINVAL)
-        handle_id = self._next_handle
-        self._next_handle += 1
         try:
             backing_id = self._passthrough.open(entry)
         except OpenInAnotherVersion as exc:
             log.error("cannot open inode %d until its earlier opens close: %s", inode, exc)
             raise pyfuse3.FUSEError(errno.ESTALE) from None
-        self._handles[handle_id] = self._reader.open(entry, ctx.pid, passthrough=bool(backing_id))
+        handle_id = self._handles.add(self._reader.open(entry, ctx.pid, passthrough=bool(backing_id)))
         if backing_id:
             # The kernel reads the cache's data file itself (its own page cache).
             return pyfuse3.FileInfo(fh=handle_id, keep_cache=False, backing_id=backing_id)
@@ -276,7 +270,7 @@ class CachefsOperations(pyfuse3.Operations):
 
     @_guarded
     async def release(self, fh: int) -> None:
-        handle = self._handles.pop(fh, None)
+        handle = self._handles.pop(fh)
         if handle is not None:
             handle.closed = True  # read-ahead not yet started for it is dropped
             self._passthrough.release(handle.inode)

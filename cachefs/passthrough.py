@@ -29,6 +29,7 @@ import logging
 import os
 import struct
 import tempfile
+from typing import Protocol
 
 import pyfuse3
 import trio
@@ -68,6 +69,12 @@ def _register_backing(fd: int) -> int:
     return fcntl.ioctl(pyfuse3.get_session_fd(), FUSE_DEV_IOC_BACKING_OPEN, bytearray(_BACKING_MAP.pack(fd, 0, 0)))
 
 
+class PlanActivity(Protocol):
+    """Whether a loader's plan is active (planner.ActivePlans): its reads must then reach the daemon."""
+
+    def active(self) -> bool: ...
+
+
 @dataclasses.dataclass(slots=True)
 class _InodeOpens:
     """The open handles of one inode, all in one mode."""
@@ -80,8 +87,9 @@ class _InodeOpens:
 class Passthrough:
     """Decides per open whether the kernel reads the file directly, and verifies files for it."""
 
-    def __init__(self, cache: BlockCache, stats: Stats, *, enabled: bool) -> None:
+    def __init__(self, cache: BlockCache, plans: PlanActivity, stats: Stats, *, enabled: bool) -> None:
         self._cache = cache
+        self._plans = plans
         self._stats = stats
         self.enabled = enabled and supported_by_pyfuse3()
         self._opens: dict[int, _InodeOpens] = {}
@@ -156,8 +164,7 @@ class Passthrough:
 
     def _plan_active(self) -> bool:
         """A loader's plan follows its reads block by block: keep them in the daemon then."""
-        advisor = self._cache.advisor
-        return advisor is not None and advisor.active()
+        return self._plans.active()
 
     def _open_backing(self, inode: Inode) -> int:
         try:

@@ -552,8 +552,64 @@ class PlanHold:
         self.plan.wasted_blocks += 1
 
 
+class ActivePlans:
+    """The plans being followed, and what they tell the cache about a block's next use.
+
+    The cache's eviction advisor (cache/plan_admission.py) and read-ahead's
+    judge of which files a plan covers. The planner adds and ends plans on
+    the trio thread; the cache writer's worker thread reads them
+    (`distance`, `victim_hints`, `requeue_hints`) through copies of the
+    dict's values and single dict reads, never iterating a live dict.
+    """
+
+    def __init__(self, held: HeldBlocks) -> None:
+        self.plans: dict[int, Plan] = {}
+        self._held = held
+
+    def active(self) -> bool:
+        return bool(self.plans)
+
+    def covers(self, inode: Inode) -> bool:
+        """Whether an active plan reads this file (read-ahead then stays off it)."""
+        return any(plan.covers(inode) for plan in self.plans.values())
+
+    def distance(self, key: BlockKey) -> int:
+        """The cache asks (any thread): planned uses until the block's next use, over all plans.
+
+        For a block held in memory for its planned use, that use is covered:
+        what counts for the cache is the use after it.
+        """
+        hold = self._held.note_of(key, Owner.PLAN)
+        best = INFINITE
+        for plan in list(self.plans.values()):
+            if isinstance(hold, PlanHold) and hold.plan is plan:
+                best = min(best, plan.distance_after(hold.position, key))
+            else:
+                best = min(best, plan.distance(key))
+        return best
+
+    def victim_hints(self) -> Iterator[BlockKey]:
+        """The cache asks (any thread): blocks the plans have finished with, oldest first."""
+        for plan in list(self.plans.values()):
+            while True:
+                try:
+                    entry = plan.released.popleft()
+                except IndexError:
+                    break
+                yield plan.block_key(entry)
+
+    def requeue_hints(self, keys: list[BlockKey]) -> None:
+        """Hints taken but not used as victims, for a later decision (any thread)."""
+        for key in keys:
+            for plan in list(self.plans.values()):
+                entry = plan.key_of(key)
+                if entry is not None:
+                    plan.released.append(entry)
+                    break
+
+
 class Planner:
-    """Active plans, their prefetch, the eviction advice, and the training statistics."""
+    """Follows the active plans: matches reads to them, prefetches along them, keeps the training statistics."""
 
     def __init__(
         self,
@@ -561,6 +617,7 @@ class Planner:
         cache: BlockCache,
         fetcher: Fetcher,
         held: HeldBlocks,
+        active: ActivePlans,
         stats: Stats,
         *,
         budget: MemoryBudget,
@@ -574,7 +631,7 @@ class Planner:
         block_size = self._block_size = budget.block_size_bytes
         self._plans_dir = cache_dir / PLANS_DIR
         shutil.rmtree(self._plans_dir, ignore_errors=True)  # left over by a crash
-        self._plans: dict[int, Plan] = {}
+        self._plans = active.plans  # this adds and ends them; ActivePlans answers the cache
         self._next_id = 1
         self.training = TrainingStats(stats)
         capacity_blocks = max(1, cache.capacity_bytes // block_size)
@@ -592,12 +649,12 @@ class Planner:
         self._nursery: trio.Nursery | None = None
         # Measurements behind the lookahead.
         self.latency_s = INITIAL_LATENCY_S
-        self.consume_rate = 0.0  # planned uses served per second
-        self.fetch_rate = 0.0  # bytes per second fetched by plan prefetch
+        self.consume_blocks_per_s = 0.0  # planned uses served
+        self.fetch_bytes_per_s = 0.0  # fetched by plan prefetch
         self.concurrency_blocks = max(MIN_CONCURRENCY_BLOCKS, min(INITIAL_INFLIGHT_BYTES // block_size,
                                                                   self._slots))
         self.rtt_s: float | None = None
-        self.link_rate: float | None = None  # bytes per second
+        self.link_bytes_per_s: float | None = None
         self._rtt_samples: collections.deque[tuple[float, float]] = collections.deque()
         self._rate_samples: collections.deque[tuple[float, float]] = collections.deque()
         self._tick_link_bytes = stats.fetched_bytes
@@ -631,46 +688,6 @@ class Planner:
             if not matched:
                 self._stats.plan_unplanned_blocks += 1
             self._wake.set()
-
-    def active(self) -> bool:
-        return bool(self._plans)
-
-    def covers(self, inode: Inode) -> bool:
-        """Reader hook: whether an active plan reads this file (its read-ahead then stays off)."""
-        return any(plan.covers(inode) for plan in self._plans.values())
-
-    def distance(self, key: BlockKey) -> int:
-        """Cache hook (any thread): planned uses until the block's next use, over all plans.
-
-        For a block held in memory for its planned use, that use is covered:
-        what counts for the cache is the use after it.
-        """
-        hold = self._held.note_of(key, Owner.PLAN)
-        best = INFINITE
-        for plan in list(self._plans.values()):
-            if isinstance(hold, PlanHold) and hold.plan is plan:
-                best = min(best, plan.distance_after(hold.position, key))
-            else:
-                best = min(best, plan.distance(key))
-        return best
-
-    def victim_hints(self) -> Iterator[BlockKey]:
-        """Cache hook (any thread): blocks the plans have finished with, oldest first."""
-        for plan in list(self._plans.values()):
-            while True:
-                try:
-                    entry = plan.released.popleft()
-                except IndexError:
-                    break
-                yield plan.block_key(entry)
-
-    def requeue_hints(self, keys: list[BlockKey]) -> None:
-        for key in keys:
-            for plan in list(self._plans.values()):
-                entry = plan.key_of(key)
-                if entry is not None:
-                    plan.released.append(entry)
-                    break
 
     def cancel_all(self, reason: str, keep_generation: str | None = None) -> None:
         """End every plan (the snapshot changed under them), except those that started
@@ -743,15 +760,15 @@ class Planner:
             # checkpoints, the gap between epochs) keeps the lookahead for the restart,
             # and a plan nobody follows never grows past its first window.
             if consumed > 0:
-                self.consume_rate += (RATE_SMOOTHING if self.consume_rate else 1.0) * (consumed - self.consume_rate)
-                self.fetch_rate += (RATE_SMOOTHING if self.fetch_rate else 1.0) * (fetched - self.fetch_rate)
+                self.consume_blocks_per_s = _smoothed(self.consume_blocks_per_s, consumed)
+                self.fetch_bytes_per_s = _smoothed(self.fetch_bytes_per_s, fetched)
             if self._overtaken:
                 self._boost = min(MAX_BOOST, self._boost * 2)
             else:
                 self._boost = max(1.0, self._boost * 0.9)
             self._overtaken = False
-            if self.consume_rate > 0:
-                wanted = self.consume_rate * (2 * self.latency_s + LOOKAHEAD_MARGIN_S) * self._boost
+            if self.consume_blocks_per_s > 0:
+                wanted = self.consume_blocks_per_s * (2 * self.latency_s + LOOKAHEAD_MARGIN_S) * self._boost
                 self.lookahead_blocks = max(MIN_LOOKAHEAD_BLOCKS, min(self.max_lookahead_blocks, math.ceil(wanted)))
             for plan in self._plans.values():
                 self._sync_counters(plan)
@@ -766,9 +783,9 @@ class Planner:
                 samples.popleft()
         if not self._rate_samples or not self._rtt_samples:
             return
-        self.link_rate = max(rate for _t, rate in self._rate_samples)
+        self.link_bytes_per_s = max(rate for _t, rate in self._rate_samples)
         self.rtt_s = min(rtt for _t, rtt in self._rtt_samples)
-        wanted = 2 * self.link_rate * self.rtt_s / self._block_size + 1
+        wanted = 2 * self.link_bytes_per_s * self.rtt_s / self._block_size + 1
         self.concurrency_blocks = max(MIN_CONCURRENCY_BLOCKS, min(self._slots, math.ceil(wanted)))
 
     def _issue(self, plan: Plan) -> None:
@@ -971,11 +988,16 @@ class Planner:
             "prefetch_latency_s": self.latency_s,
             "prefetch_concurrency_blocks": self.concurrency_blocks,
             "link_rtt_s": self.rtt_s,
-            "link_rate_bytes_per_s": self.link_rate,
-            "consume_rate_blocks_per_s": self.consume_rate,
-            "prefetch_rate_bytes_per_s": self.fetch_rate,
+            "link_rate_bytes_per_s": self.link_bytes_per_s,
+            "consume_rate_blocks_per_s": self.consume_blocks_per_s,
+            "prefetch_rate_bytes_per_s": self.fetch_bytes_per_s,
             **self.training.snapshot(),
         }
+
+
+def _smoothed(average: float, sample: float) -> float:
+    """A rate average moved towards the newest tick's sample (the first sample sets it)."""
+    return average + (RATE_SMOOTHING if average else 1.0) * (sample - average)
 
 
 def _add_reads(plan: Plan, reads: Any) -> None:

@@ -73,7 +73,7 @@ FROM_START_THRESHOLD = 2
 FROM_START_WINDOW_BLOCKS = 16
 # Readers whose stride through the files is remembered, and the largest stride
 # (files) that is followed (see _read_ahead_next_file).
-READERS_REMEMBERED = 1024
+PIDS_REMEMBERED = 1024
 MAX_STRIDE_FILES = 64
 # Files remembered by sibling prefetch (see prefetch_siblings), and the most
 # bytes one walk asks for (the WAN a reader that opens one file can cost).
@@ -117,13 +117,37 @@ class OpenFile:
     closed: bool = False
 
 
+class OpenFiles:
+    """The open handles of the mount, by FUSE file handle (trio thread)."""
+
+    def __init__(self) -> None:
+        self._handles: dict[int, OpenFile] = {}
+        self._next = 1
+
+    def add(self, handle: OpenFile) -> int:
+        fh = self._next
+        self._next += 1
+        self._handles[fh] = handle
+        return fh
+
+    def get(self, fh: int) -> OpenFile | None:
+        return self._handles.get(fh)
+
+    def pop(self, fh: int) -> OpenFile | None:
+        return self._handles.pop(fh, None)
+
+    def versions(self) -> set[tuple[bytes, bytes]]:
+        """(file id, version) of every file open now: their cached blocks are kept."""
+        return {(handle.inode.file_id, handle.inode.version) for handle in self._handles.values()}
+
+
 def _stream_threshold(handle: OpenFile) -> int:
     """Sequential reads that make the handle's run a stream (fewer for a run from the first byte)."""
     return FROM_START_THRESHOLD if handle.stream_start == 0 else SEQUENTIAL_THRESHOLD
 
 
 @dataclasses.dataclass
-class _ReaderFiles:
+class _PidWalk:
     """How one reader (a FUSE request pid) goes through the files it reads from their first byte."""
 
     last: Inode  # the last of them
@@ -185,7 +209,7 @@ class ReadAhead:
         self._filled: collections.OrderedDict[int, None] = collections.OrderedDict()  # fills that completed
         self._fill_slots = trio.Semaphore(FILL_RUNS_IN_FLIGHT)
         self._runs = trio.CapacityLimiter(READAHEAD_RUNS_IN_FLIGHT)
-        self._readers: collections.OrderedDict[int, _ReaderFiles] = collections.OrderedDict()
+        self._walks: collections.OrderedDict[int, _PidWalk] = collections.OrderedDict()
         # ino -> when a large file's index entries or a small file's data were last paged in
         self._paged_in: collections.OrderedDict[int, float] = collections.OrderedDict()
 
@@ -255,8 +279,8 @@ class ReadAhead:
         head = handle.next_file
         if head is None:
             return
-        reader = self._readers.get(handle.pid)
-        if reader is None or not reader.on_course:
+        walk = self._walks.get(handle.pid)
+        if walk is None or not walk.on_course:
             blocks = COALESCE_BLOCKS
         stop = min(max(blocks, COALESCE_BLOCKS), head.inode.block_count(self.block_size))
         if stop - head.prefetched_until < COALESCE_BLOCKS:
@@ -271,9 +295,9 @@ class ReadAhead:
         handle.prefetched_until = stop
 
     def _next_file(self, handle: OpenFile) -> OpenFile | None:
-        """The large file the handle's reader will read next (see _read_ahead_next_file), if any."""
-        reader = self._readers.get(handle.pid)
-        step = reader.next_step if reader is not None else 1
+        """The large file the handle's process will read next (see _read_ahead_next_file), if any."""
+        walk = self._walks.get(handle.pid)
+        step = walk.next_step if walk is not None else 1
         following = self._namespace.files_after(handle.inode, step)
         if len(following) < step:
             return None
@@ -286,12 +310,12 @@ class ReadAhead:
         """A reader started reading a file from its first byte: learn how many files it
         moved on from the last one it did that with, in the same directory (its next
         file is guessed from that; a move seen twice in a row is its stride)."""
-        previous = self._readers.pop(handle.pid, None)
+        previous = self._walks.pop(handle.pid, None)
         step = 0
         if previous is not None and previous.last.parent == handle.inode.parent:
             step = handle.inode.position - previous.last.position
         confirmed = previous is not None and step == previous.step and 1 <= step <= MAX_STRIDE_FILES
-        _remember(self._readers, handle.pid, _ReaderFiles(handle.inode, step, step if confirmed else 1), READERS_REMEMBERED)
+        _remember(self._walks, handle.pid, _PidWalk(handle.inode, step, step if confirmed else 1), PIDS_REMEMBERED)
 
     def _planned(self, inode: Inode) -> bool:
         """Whether a loader's plan covers the file (its prefetch then replaces these guesses)."""

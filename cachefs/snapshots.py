@@ -50,15 +50,22 @@ DROP_BATCH_VERSIONS = 500
 class Snapshots:
     """Loads manifests into the namespace and keeps the cache consistent with them."""
 
-    def __init__(self, config: MountConfig, client: HubClient, db: NamespaceDb, namespace: Namespace) -> None:
+    def __init__(
+        self,
+        config: MountConfig,
+        client: HubClient,
+        db: NamespaceDb,
+        namespace: Namespace,
+        open_versions: Callable[[], set[tuple[bytes, bytes]]] = set,
+    ) -> None:
         self._config = config
         self._client = client
         self._db = db
         self._namespace = namespace
         self._manifest_path = config.cache_dir / "tmp" / "manifest.ndjson.gz"
         self._lock = trio.Lock()
-        # (file id, version) of the files open now: their cached blocks are kept (set by the daemon)
-        self.open_versions: Callable[[], set[tuple[bytes, bytes]]] = set
+        # (file id, version) of the files open now: their cached blocks are kept
+        self._open_versions = open_versions
 
     async def load_at_mount(self) -> bool:
         """Load the hub's manifest if it is new; offline, keep the stored one (if any).
@@ -145,7 +152,7 @@ class Snapshots:
         mount (`generation` is recorded only once all are gone).
         """
         stale = await trio.to_thread.run_sync(cache.stale_versions, self._namespace.file_version)
-        in_use = self.open_versions()
+        in_use = self._open_versions()
         versions = [keys for keys in stale if (keys[0].file_id, keys[0].version) not in in_use]
         for start in range(0, len(versions), DROP_BATCH_VERSIONS):
             await trio.to_thread.run_sync(cache.drop_versions, versions[start : start + DROP_BATCH_VERSIONS])

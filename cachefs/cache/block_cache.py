@@ -81,11 +81,19 @@ class BlockCache:
     When the cache is full, a new block is admitted only if the frequency
     sketch has seen it more often than the oldest unpinned block (TinyLFU,
     see policy.py); otherwise it is served without being cached. While a
-    loader's plan is active, `advisor` (the planner) decides instead: the
-    block whose next planned use is furthest away goes (plan_admission.py).
+    loader's plan is active, `advisor` (the active plans) decides instead:
+    the block whose next planned use is furthest away goes (plan_admission.py).
     """
 
-    def __init__(self, db: IndexDb, cache_dir: Path, capacity_bytes: int, block_size: int, stats: Stats) -> None:
+    def __init__(
+        self,
+        db: IndexDb,
+        cache_dir: Path,
+        capacity_bytes: int,
+        block_size: int,
+        stats: Stats,
+        advisor: EvictionAdvisor | None = None,
+    ) -> None:
         self._db = db
         self.index = BlockIndex(db)
         self.store = BlockStore(cache_dir, block_size)
@@ -99,7 +107,7 @@ class BlockCache:
         self._sketch_path = cache_dir / SKETCH_FILE
         self.sketch.load(self._sketch_path)
         self._pins = self._load_pins()
-        self.advisor: EvictionAdvisor | None = None
+        self._advisor = advisor
         # File versions the kernel reads directly (held) and those a block is
         # being dropped from right now; a file is never both (see hold()).
         self._held_lock = threading.Lock()
@@ -216,8 +224,8 @@ class BlockCache:
         with one index commit: one fsync per batch, not one per block evicted)."""
         free = self._limit_bytes() - self.index.used_bytes()
         victims: Victims = _OldestVictims(self)
-        if self.advisor is not None and self.advisor.active():
-            victims = PlanVictims(self, self.advisor)
+        if self._advisor is not None and self._advisor.active():
+            victims = PlanVictims(self, self._advisor)
         admitted = []
         evicted: list[BlockKey] = []
         try:
