@@ -50,7 +50,7 @@ SPOKE_METRICS = {
     "cachefs_cache_capacity_bytes",
     "cachefs_cache_pinned_bytes",
     "cachefs_corrupt_blocks_total",
-    "cachefs_hub_errors_total",
+    "cachefs_upstream_errors_total",
     "cachefs_read_duration_seconds",
     "cachefs_reads_total",
     "cachefs_read_bytes_total",
