@@ -54,6 +54,13 @@ SPOKE_METRICS = {
     "cachefs_read_duration_seconds",
     "cachefs_reads_total",
     "cachefs_read_bytes_total",
+    "cachefs_fuse_errors_total",
+    "cachefs_fetch_failures_total",
+    "cachefs_store_errors_total",
+    "cachefs_read_stall_seconds",
+    "process_resident_memory_bytes",
+    "process_open_fds",
+    "process_max_fds",
 }
 # Options that give a service its own mount namespace, which would hide the
 # spoke's FUSE mount from the rest of the host.
@@ -440,10 +447,10 @@ def known_metric_names(hub: HubProcess, dataset: Path, tmp_path_factory: pytest.
 
 
 def metric_names(expr: str) -> set[str]:
-    """cachefs metric names in a PromQL expression; histogram series
-    (_bucket, _sum, _count) are named by their family."""
+    """cachefs and standard process metric names in a PromQL expression;
+    histogram series (_bucket, _sum, _count) are named by their family."""
     expr = re.sub(r"\b[a-z_]+:[a-z0-9_:]+", "", expr)  # recording rules (level:metric:operations)
-    names = set(re.findall(r"\bcachefs_[a-z_]+\b", expr))
+    names = set(re.findall(r"\b(?:cachefs|process)_[a-z_]+\b", expr))
     return {re.sub(r"_(bucket|sum|count)$", "", name) for name in names}
 
 
@@ -479,7 +486,8 @@ def test_alerts_are_complete(known_metric_names: set[str]) -> None:
     recordings = {rule["record"]: rule["expr"] for group in groups for rule in group["rules"] if "record" in rule}
     names = {rule["alert"] for rule in rules}
     assert {"CachefsHubDown", "CachefsHitRatioFalling", "CachefsCacheNearlyFull", "CachefsCorruptBlocks",
-            "CachefsFetchLatencyHigh"} <= names
+            "CachefsFetchLatencyHigh", "CachefsReadsFailing", "CachefsFetchesGivenUp", "CachefsReadStalls",
+            "CachefsStoreErrors", "CachefsSpokeHubErrors", "CachefsFileDescriptorsRunningOut"} <= names
     known = known_metric_names
     for rule in rules:
         assert "for" in rule, rule["alert"]
@@ -530,7 +538,8 @@ def test_dashboard_is_a_grafana_dashboard(known_metric_names: set[str]) -> None:
     known = known_metric_names
     queries = dashboard_queries()
     for title, expr in queries:
-        assert metric_names(expr), f"{title}: no cachefs metric in {expr!r}"
+        # process_* series only next to a cachefs one (`and on (instance)`): other exporters have them too.
+        assert any(name.startswith("cachefs_") for name in metric_names(expr)), f"{title}: no cachefs metric in {expr!r}"
         assert metric_names(expr) <= known, f"{title}: unknown {metric_names(expr) - known}"
     # The cold-to-warm story: throughput, hit ratio, WAN bytes, latency quantiles, hub bytes.
     everything = "\n".join(expr for _, expr in queries)
@@ -540,6 +549,12 @@ def test_dashboard_is_a_grafana_dashboard(known_metric_names: set[str]) -> None:
         "histogram_quantile(0.99, sum by (instance, le) (rate(cachefs_read_duration",
         "rate(cachefs_hub_sent_bytes_total",
         "sum by (instance)",
+        # What went wrong: failed reads, stalls, cache and hub errors; and the processes.
+        "increase(cachefs_fuse_errors_total", "increase(cachefs_fetch_failures_total",
+        "histogram_quantile(0.99, sum by (instance, le) (rate(cachefs_read_stall_seconds_bucket",
+        "increase(cachefs_store_errors_total", "increase(cachefs_upstream_errors_total",
+        'cachefs_hub_requests_total{instance=~"$hub", status=~"5.."}',
+        "process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds",
     ]:
         assert needle in everything, needle
 
