@@ -500,6 +500,24 @@ def test_alerts_are_complete(known_metric_names: set[str]) -> None:
         assert metric_names(expr) and metric_names(expr) <= known, expr
 
 
+def test_every_metric_and_alert_is_documented(known_metric_names: set[str]) -> None:
+    """docs/monitoring.md names every metric a live spoke exports and every
+    alert; docs/protocol.md every metric of a live hub."""
+    monitoring = (REPO_ROOT / "docs" / "monitoring.md").read_text()
+    protocol = (REPO_ROOT / "docs" / "protocol.md").read_text()
+
+    def undocumented(names: set[str], text: str) -> set[str]:
+        return {name for name in names if not re.search(rf"`{name}[`{{]", text)}
+
+    exported = {name for name in known_metric_names if not name.endswith("_total_total")}
+    hub = {name for name in exported if name.startswith("cachefs_hub_")}
+    spoke = {name for name in exported if name.startswith("cachefs_")} - hub
+    assert len(spoke) > 30 and len(hub) > 10
+    assert not undocumented(spoke | {"process_resident_memory_bytes"}, monitoring)
+    assert not undocumented(hub, protocol)
+    assert not undocumented({rule["alert"] for rule in alert_rules()}, monitoring)
+
+
 def dashboard_panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
     for panel in dashboard["panels"]:
         yield panel
