@@ -17,15 +17,18 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from dataset import source_files
-from hub_helpers import HubProcess, hub_env
+from hub_helpers import HubProcess, hub_env, running_hub
 from mount_helpers import SpokeMount, daemon_pid, is_mounted, mounted_spoke, run_cachefs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -591,6 +594,107 @@ def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
     rules_file.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     result = run_tool(require_tool("promtool"), "check", "rules", rules_file)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# Dashboard queries that have no series while nothing fails: 5xx answers and
+# 401s are counted by labels that only exist once one happened.
+EMPTY_WHILE_HEALTHY = ('status=~"5.."', "cachefs_hub_auth_failures_total")
+PROMETHEUS_START_TIMEOUT_S = 30.0
+ALERT_TIMEOUT_S = 30.0
+
+
+@contextmanager
+def running_prometheus(workdir: Path, targets: dict[str, str]) -> Iterator[str]:
+    """Debian's Prometheus on a loopback port with the shipped prometheus.yml
+    and alerts.yml, scraping `targets` (job name -> host:port) every second
+    instead of the example hosts; yields its URL."""
+    config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    config["rule_files"] = [str(PROMETHEUS / name) for name in config["rule_files"]]
+    for job in config["scrape_configs"]:
+        job["static_configs"] = [{"targets": [targets[job["job_name"]]]}]
+    assert {job["job_name"] for job in config["scrape_configs"]} == set(targets)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_loopback_port()
+    with open(workdir / "prometheus.log", "wb") as log:
+        proc = subprocess.Popen(
+            [require_tool("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
+             f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+        )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def prometheus_query(url: str, expr: str) -> list[dict[str, Any]]:
+    """The series an instant query returns (empty while Prometheus is not up yet)."""
+    try:
+        with urllib.request.urlopen(f"{url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}", timeout=10) as answer:
+            body = json.load(answer)
+    except OSError:
+        return []
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def wait_for_query(url: str, expr: str, done: Any, timeout_s: float) -> list[dict[str, Any]]:
+    """Repeat `expr` until `done(result)`; the last result, or a failure at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = prometheus_query(url, expr)
+        if done(result):
+            return result
+        if time.monotonic() > deadline:
+            pytest.fail(f"{expr!r} still gives {result} after {timeout_s} s")
+        time.sleep(0.5)
+
+
+def firing(url: str) -> set[str]:
+    return {series["metric"]["alertname"] for series in prometheus_query(url, 'ALERTS{alertstate="firing"}')}
+
+
+def test_live_prometheus_fills_the_dashboard_and_alerts_on_a_failed_read(dataset: Path, tmp_path: Path) -> None:
+    """A real Prometheus scrapes a real hub and spoke with the shipped scrape
+    config and rules: every dashboard query returns series, nothing alerts
+    while all is well, and the spoke's first failed read raises
+    CachefsReadsFailing and CachefsFetchesGivenUp."""
+    spoke_port = free_loopback_port()
+    args = ["--fetch-timeout", "1", "--prefetch-siblings", "0", "--metrics-listen", f"127.0.0.1:{spoke_port}"]
+    with (
+        running_hub(dataset) as hub,
+        mounted_spoke(hub.url, tmp_path, args) as spoke,
+        running_prometheus(tmp_path / "prometheus", {"cachefs-hub": f"{hub.host}:{hub.port}",
+                                                     "cachefs-spoke": f"127.0.0.1:{spoke_port}"}) as prometheus,
+    ):
+        with open(spoke.mountpoint / "shards/shard-000.bin", "rb") as shard:
+            assert shard.read(10) == (dataset / "shards/shard-000.bin").read_bytes()[:10]
+        # Both targets up, with enough samples for a rate over 10 s.
+        wait_for_query(prometheus, "count_over_time(up[10s]) >= 4 and up == 1", lambda result: len(result) == 2,
+                       PROMETHEUS_START_TIMEOUT_S)
+        for title, expr in dashboard_queries():
+            for variable, value in {"$__rate_interval": "10s", "$instance": ".*", "$hub": ".*"}.items():
+                expr = expr.replace(variable, value)
+            result = prometheus_query(prometheus, expr)
+            assert result or any(needle in expr for needle in EMPTY_WHILE_HEALTHY), f"{title}: no series for {expr}"
+        for panel in ("Memory (RSS)", "CPU", "File descriptors in use"):  # one series per process: hub and spoke
+            exprs = [expr.replace("$__rate_interval", "10s").replace("$instance", ".*").replace("$hub", ".*")
+                     for title, expr in dashboard_queries() if title == panel]
+            assert [len(prometheus_query(prometheus, expr)) for expr in exprs] == [1, 1], panel
+        assert prometheus_query(prometheus, "ALERTS") == []
+
+        hub.stop()
+        with open(spoke.mountpoint / "shards/shard-002.bin", "rb") as shard, pytest.raises(OSError):
+            shard.read(10)
+        wait_for_query(prometheus, 'ALERTS{alertstate="firing"}',
+                       lambda _: {"CachefsReadsFailing", "CachefsFetchesGivenUp"} <= firing(prometheus), ALERT_TIMEOUT_S)
 
 
 # -- Kubernetes ---------------------------------------------------------------------
