@@ -33,7 +33,7 @@ from .errors import CacheDirInUse, CachefsError, UsageError
 from .fetcher import Fetcher
 from .fs import CachefsOperations
 from .hub_client import HubClient
-from .metrics import Stats, serve_metrics, training_gauges
+from .metrics import Stats, cache_gauges, serve_metrics, training_gauges
 from .mountpoints import find_mount
 from .namespace import Changes, Namespace
 from .passthrough import Passthrough
@@ -300,11 +300,10 @@ def _serve_metrics(config: MountConfig, stats: Stats, cache: BlockCache, fetcher
     assert config.metrics_listen is not None
     try:
         serve_metrics(config.metrics_listen, stats, lambda: {
-            "cachefs_cache_used_bytes": cache.used_bytes(),
-            "cachefs_cache_capacity_bytes": cache.capacity_bytes,
-            "cachefs_cache_pinned_bytes": cache.pinned_bytes(),
-            "cachefs_cache_blocks": cache.block_count(),
-            "cachefs_fetches_in_flight": fetcher.requests_in_flight,
+            **cache_gauges(
+                used_bytes=cache.used_bytes(), capacity_bytes=cache.capacity_bytes, pinned_bytes=cache.pinned_bytes(),
+                blocks=cache.block_count(), fetches_in_flight=fetcher.requests_in_flight,
+            ),
             **training_gauges(planner.snapshot(judge=False)),
         })
     except OSError as exc:

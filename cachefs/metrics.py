@@ -3,7 +3,8 @@
 Counters live in one `Stats` object, updated with plain `+=` from the trio
 thread and worker threads (fine for statistics); a collector turns them into
 Prometheus metrics at scrape time, so there is one source for both views.
-Latencies are Prometheus histograms. No label ever holds a path.
+Latencies are Prometheus histograms. No label ever holds a path. Beside them:
+the standard `process_*` (memory, CPU, file descriptors) and `python_info`.
 """
 
 from __future__ import annotations
@@ -13,11 +14,24 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+# A *_created series per counter and histogram doubles the series a scrape
+# stores and no rule or panel uses them (a process-wide setting of the client).
+disable_created_metrics()
+
 REGISTRY = CollectorRegistry()
+ProcessCollector(registry=REGISTRY)
+PlatformCollector(registry=REGISTRY)
 
 # Reads served from page-cache-cold local NVMe take ~0.1-1 ms, hub fetches at
 # 60 ms RTT 60-200 ms: buckets cover both with room for stalls.
@@ -104,6 +118,41 @@ _COUNTERS = {  # Stats field -> (metric name without _total, help)
 }
 
 
+# Label values of the labelled counters exported at zero before the first
+# error, so that increase() and rate() see that error (a series born at 1 has
+# no earlier sample to count from). Kinds are set in fetcher.py.
+UPSTREAM_ERROR_KINDS = ("timeout", "connection", "protocol", "changed", "http_4xx", "http_5xx")
+WATCHED_FUSE_OPERATIONS = ("open", "read")  # the ones a failed read of a file fails in
+
+_GAUGES = {  # name -> help
+    "cachefs_cache_used_bytes": "Bytes of blocks in the cache",
+    "cachefs_cache_capacity_bytes": "Size limit of the cache (--cache-size)",
+    "cachefs_cache_pinned_bytes": "Bytes of pinned blocks, which are never evicted",
+    "cachefs_cache_blocks": "Blocks in the cache",
+    "cachefs_fetches_in_flight": "Requests to the hub under way",
+    "cachefs_plans_active": "Loader plans being followed",
+    "cachefs_plan_lookahead_blocks": "Blocks fetched ahead of the readers along the plans",
+    "cachefs_time_to_warm_seconds": "Time from the first read until the hit ratio stayed at 95 % or more (-1: not warm yet)",
+    "cachefs_epoch": "The current epoch of the training job",
+    "cachefs_epoch_hit_ratio": "Share of the current epoch's block reads served locally",
+    "cachefs_epoch_stall_seconds": "Time readers waited on the hub in the current epoch",
+    "cachefs_epoch_fetched_bytes": "Bytes fetched from the hub in the current epoch",
+}
+
+
+def cache_gauges(
+    *, used_bytes: int, capacity_bytes: int, pinned_bytes: int, blocks: int, fetches_in_flight: int
+) -> dict[str, float]:
+    """Gauges of the block cache and the fetcher."""
+    return {
+        "cachefs_cache_used_bytes": used_bytes,
+        "cachefs_cache_capacity_bytes": capacity_bytes,
+        "cachefs_cache_pinned_bytes": pinned_bytes,
+        "cachefs_cache_blocks": blocks,
+        "cachefs_fetches_in_flight": fetches_in_flight,
+    }
+
+
 def training_gauges(training: dict[str, Any]) -> dict[str, float]:
     """Gauges from the planner's snapshot (planner.Planner.snapshot): plans, lookahead, the current epoch."""
     gauges = {
@@ -131,18 +180,24 @@ class SpokeCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         for field, (name, text) in _COUNTERS.items():
             yield CounterMetricFamily(name, text, value=getattr(self._stats, field))
-        yield _labelled(name="cachefs_hub_errors", text="Failed hub requests by kind", label="kind",
-                        counts=self._stats.hub_errors)
-        yield _labelled(name="cachefs_fuse_errors", text="FUSE requests answered with an error, by operation",
-                        label="operation", counts=self._stats.fuse_errors)
+        yield _labelled(
+            name="cachefs_upstream_errors", text="Failed requests to the hub (or the regional cache in front of it), by kind",
+            label="kind", counts=self._stats.hub_errors, known=UPSTREAM_ERROR_KINDS,
+        )
+        yield _labelled(
+            name="cachefs_fuse_errors", text="FUSE requests answered with an error, by operation",
+            label="operation", counts=self._stats.fuse_errors, known=WATCHED_FUSE_OPERATIONS,
+        )
         for name, value in self._gauges().items():
-            yield GaugeMetricFamily(name, name.replace("_", " "), value=value)
+            yield GaugeMetricFamily(name, _GAUGES[name], value=value)
 
 
-def _labelled(*, name: str, text: str, label: str, counts: collections.Counter[str]) -> CounterMetricFamily:
+def _labelled(
+    *, name: str, text: str, label: str, counts: collections.Counter[str], known: tuple[str, ...]
+) -> CounterMetricFamily:
     family = CounterMetricFamily(name, text, labels=[label])
-    for value, count in sorted(counts.items()):
-        family.add_metric([value], count)
+    for value in sorted(set(known) | set(counts)):
+        family.add_metric([value], counts[value])
     return family
 
 

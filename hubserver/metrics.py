@@ -1,4 +1,5 @@
-"""Every Prometheus metric of the hub, ``cachefs_hub_`` prefix.
+"""Every Prometheus metric of the hub: its own under the ``cachefs_hub_`` prefix,
+and the standard ``process_*`` and ``python_info``.
 
 Each application gets its own ``CollectorRegistry`` (never the global one),
 so several hubs in one process (tests) keep separate counts. Labels are low
@@ -10,10 +11,22 @@ from __future__ import annotations
 
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.exposition import choose_encoder
 
 PREFIX: Final = "cachefs_hub"
+
+# A *_created series per counter and histogram doubles the series a scrape
+# stores and no rule or panel uses them (a process-wide setting of the client).
+disable_created_metrics()
 
 # Route names used as the `endpoint` label. "other" is any path no route
 # matches; "malformed" a request the HTTP parser refused (bad request line,
@@ -51,23 +64,7 @@ AUTH_INVALID: Final = "invalid"  # a token no token file lists
 # From a cached block on loopback (sub-millisecond) to a large manifest
 # over a slow WAN (minutes).
 _DURATION_BUCKETS_S: Final = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 )
 
 
@@ -77,95 +74,60 @@ class HubMetrics:
     def __init__(self) -> None:
         registry = CollectorRegistry()
         self.registry = registry
-        # CPU, memory and file descriptors of the hub process, under the same
-        # prefix: cachefs_hub_process_open_fds is the one to watch against
-        # --max-connections.
-        ProcessCollector(namespace=PREFIX, registry=registry)
+        # CPU, memory and file descriptors of the process, and the Python
+        # version, under their standard names (process_*, python_info) so that
+        # stock dashboards and rules apply; process_open_fds is the one to
+        # watch against --max-connections.
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
 
-        self.requests = Counter(
-            f"{PREFIX}_requests",
-            "HTTP requests answered, by endpoint and status code (499: client closed first)",
-            ["endpoint", "status"],
-            registry=registry,
+        def counter(name: str, text: str, *labels: str) -> Counter:
+            return Counter(f"{PREFIX}_{name}", text, labels, registry=registry)
+
+        def gauge(name: str, text: str, *labels: str) -> Gauge:
+            return Gauge(f"{PREFIX}_{name}", text, labels, registry=registry)
+
+        # One definition per metric: name after the prefix, help, labels.
+        self.requests = counter(
+            "requests", "HTTP requests answered, by endpoint and status code (499: client closed first)", "endpoint", "status"
         )
-        self.sent_bytes = Counter(
-            f"{PREFIX}_sent_bytes",
-            "Response body bytes sent in full (Content-Length of complete responses; "
-            "for the streamed manifest, its gzip bytes)",
-            ["endpoint"],
-            registry=registry,
+        self.sent_bytes = counter(
+            "sent_bytes",
+            "Response body bytes sent in full (Content-Length of complete responses; for the streamed manifest, its gzip bytes)",
+            "endpoint",
         )
         self.request_duration = Histogram(
-            f"{PREFIX}_request_duration_seconds",
-            "Time from the request head to the last byte of the response",
-            ["endpoint"],
-            buckets=_DURATION_BUCKETS_S,
-            registry=registry,
+            f"{PREFIX}_request_duration_seconds", "Time from the request head to the last byte of the response",
+            ["endpoint"], buckets=_DURATION_BUCKETS_S, registry=registry,
         )
-        self.open_connections = Gauge(
-            f"{PREFIX}_open_connections",
-            "Client connections open now (admitted ones; TLS handshake done)",
-            registry=registry,
-        )
-        self.refused_connections = Counter(
-            f"{PREFIX}_refused_connections",
+        self.open_connections = gauge("open_connections", "Client connections open now (admitted ones; TLS handshake done)")
+        self.refused_connections = counter(
+            "refused_connections",
             "Connections answered 503 and closed: --max-connections, or --max-connections-per-client from its address, were open",
-            registry=registry,
         )
-        self.header_timeouts = Counter(
-            f"{PREFIX}_header_timeouts",
-            "Connections closed because a request head was not complete within --header-timeout",
-            registry=registry,
+        self.header_timeouts = counter(
+            "header_timeouts", "Connections closed because a request head was not complete within --header-timeout"
         )
-        self.auth_failures = Counter(
-            f"{PREFIX}_auth_failures",
-            "Requests answered 401, by endpoint and reason (missing, malformed, invalid)",
-            ["endpoint", "reason"],
-            registry=registry,
+        self.auth_failures = counter(
+            "auth_failures", "Requests answered 401, by endpoint and reason (missing, malformed, invalid)", "endpoint", "reason"
         )
-        self.token_reloads = Counter(
-            f"{PREFIX}_token_reloads",
-            "Token file reloads (SIGHUP), by result (ok, error: the previous tokens stay in force)",
-            ["result"],
-            registry=registry,
+        self.token_reloads = counter(
+            "token_reloads", "Token file reloads (SIGHUP), by result (ok, error: the previous tokens stay in force)", "result"
         )
-        self.checksum_hashed_bytes = Counter(
-            f"{PREFIX}_checksum_hashed_bytes",
-            "Bytes read and hashed to compute block checksums (each block once while it is "
-            "remembered; concurrent requests for it share one computation)",
-            registry=registry,
+        self.checksum_hashed_bytes = counter(
+            "checksum_hashed_bytes",
+            "Bytes read and hashed to compute block checksums "
+            "(each block once while it is remembered; concurrent requests for it share one computation)",
         )
-        self.snapshot_info = Gauge(
-            f"{PREFIX}_snapshot_info",
-            "Always 1; the label carries the generation of the snapshot being served",
-            ["generation"],
-            registry=registry,
+        self.snapshot_info = gauge(
+            "snapshot_info", "Always 1; the label carries the generation of the snapshot being served", "generation"
         )
-        self.snapshot_files = Gauge(
-            f"{PREFIX}_snapshot_files",
-            "Regular files in the snapshot",
-            registry=registry,
-        )
-        self.snapshot_size_bytes = Gauge(
-            f"{PREFIX}_snapshot_size_bytes",
-            "Total size of the regular files in the snapshot",
-            registry=registry,
-        )
-        self.snapshot_entries = Gauge(
-            f"{PREFIX}_snapshot_entries",
-            "Manifest entries (directories, files, symlinks) in the snapshot",
-            registry=registry,
-        )
-        self.snapshot_scan_seconds = Gauge(
-            f"{PREFIX}_snapshot_scan_seconds",
-            "How long the scan of the root took",
-            registry=registry,
-        )
-        self.snapshot_timestamp_seconds = Gauge(
-            f"{PREFIX}_snapshot_timestamp_seconds",
-            "Unix time at which the scan of the root finished",
-            registry=registry,
-        )
+        self.snapshot_files = gauge("snapshot_files", "Regular files in the snapshot")
+        self.snapshot_size_bytes = gauge("snapshot_size_bytes", "Total size of the regular files in the snapshot")
+        self.snapshot_entries = gauge("snapshot_entries", "Manifest entries (directories, files, symlinks) in the snapshot")
+        self.snapshot_scan_seconds = gauge("snapshot_scan_seconds", "How long the scan of the root took")
+        self.snapshot_timestamp_seconds = gauge("snapshot_timestamp_seconds", "Unix time at which the scan of the root finished")
+
         # Every series that can appear is created at zero now, so a rate()
         # over a fresh hub has a starting point.
         for endpoint in ENDPOINTS:

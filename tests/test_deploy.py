@@ -17,15 +17,18 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from dataset import source_files
-from hub_helpers import HubProcess, hub_env
+from hub_helpers import HubProcess, hub_env, running_hub
 from mount_helpers import SpokeMount, daemon_pid, is_mounted, mounted_spoke, run_cachefs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -50,10 +53,17 @@ SPOKE_METRICS = {
     "cachefs_cache_capacity_bytes",
     "cachefs_cache_pinned_bytes",
     "cachefs_corrupt_blocks_total",
-    "cachefs_hub_errors_total",
+    "cachefs_upstream_errors_total",
     "cachefs_read_duration_seconds",
     "cachefs_reads_total",
     "cachefs_read_bytes_total",
+    "cachefs_fuse_errors_total",
+    "cachefs_fetch_failures_total",
+    "cachefs_store_errors_total",
+    "cachefs_read_stall_seconds",
+    "process_resident_memory_bytes",
+    "process_open_fds",
+    "process_max_fds",
 }
 # Options that give a service its own mount namespace, which would hide the
 # spoke's FUSE mount from the rest of the host.
@@ -440,10 +450,10 @@ def known_metric_names(hub: HubProcess, dataset: Path, tmp_path_factory: pytest.
 
 
 def metric_names(expr: str) -> set[str]:
-    """cachefs metric names in a PromQL expression; histogram series
-    (_bucket, _sum, _count) are named by their family."""
+    """cachefs and standard process metric names in a PromQL expression;
+    histogram series (_bucket, _sum, _count) are named by their family."""
     expr = re.sub(r"\b[a-z_]+:[a-z0-9_:]+", "", expr)  # recording rules (level:metric:operations)
-    names = set(re.findall(r"\bcachefs_[a-z_]+\b", expr))
+    names = set(re.findall(r"\b(?:cachefs|process)_[a-z_]+\b", expr))
     return {re.sub(r"_(bucket|sum|count)$", "", name) for name in names}
 
 
@@ -479,7 +489,8 @@ def test_alerts_are_complete(known_metric_names: set[str]) -> None:
     recordings = {rule["record"]: rule["expr"] for group in groups for rule in group["rules"] if "record" in rule}
     names = {rule["alert"] for rule in rules}
     assert {"CachefsHubDown", "CachefsHitRatioFalling", "CachefsCacheNearlyFull", "CachefsCorruptBlocks",
-            "CachefsFetchLatencyHigh"} <= names
+            "CachefsFetchLatencyHigh", "CachefsReadsFailing", "CachefsFetchesGivenUp", "CachefsReadStalls",
+            "CachefsStoreErrors", "CachefsSpokeHubErrors", "CachefsFileDescriptorsRunningOut"} <= names
     known = known_metric_names
     for rule in rules:
         assert "for" in rule, rule["alert"]
@@ -490,6 +501,24 @@ def test_alerts_are_complete(known_metric_names: set[str]) -> None:
         assert recorded <= set(recordings), f"{rule['alert']}: no recording rule {recorded - set(recordings)}"
     for expr in recordings.values():
         assert metric_names(expr) and metric_names(expr) <= known, expr
+
+
+def test_every_metric_and_alert_is_documented(known_metric_names: set[str]) -> None:
+    """docs/monitoring.md names every metric a live spoke exports and every
+    alert; docs/protocol.md every metric of a live hub."""
+    monitoring = (REPO_ROOT / "docs" / "monitoring.md").read_text()
+    protocol = (REPO_ROOT / "docs" / "protocol.md").read_text()
+
+    def undocumented(names: set[str], text: str) -> set[str]:
+        return {name for name in names if not re.search(rf"`{name}[`{{]", text)}
+
+    exported = {name for name in known_metric_names if not name.endswith("_total_total")}
+    hub = {name for name in exported if name.startswith("cachefs_hub_")}
+    spoke = {name for name in exported if name.startswith("cachefs_")} - hub
+    assert len(spoke) > 30 and len(hub) > 10
+    assert not undocumented(spoke | {"process_resident_memory_bytes"}, monitoring)
+    assert not undocumented(hub, protocol)
+    assert not undocumented({rule["alert"] for rule in alert_rules()}, monitoring)
 
 
 def dashboard_panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -530,7 +559,8 @@ def test_dashboard_is_a_grafana_dashboard(known_metric_names: set[str]) -> None:
     known = known_metric_names
     queries = dashboard_queries()
     for title, expr in queries:
-        assert metric_names(expr), f"{title}: no cachefs metric in {expr!r}"
+        # process_* series only next to a cachefs one (`and on (instance)`): other exporters have them too.
+        assert any(name.startswith("cachefs_") for name in metric_names(expr)), f"{title}: no cachefs metric in {expr!r}"
         assert metric_names(expr) <= known, f"{title}: unknown {metric_names(expr) - known}"
     # The cold-to-warm story: throughput, hit ratio, WAN bytes, latency quantiles, hub bytes.
     everything = "\n".join(expr for _, expr in queries)
@@ -540,6 +570,12 @@ def test_dashboard_is_a_grafana_dashboard(known_metric_names: set[str]) -> None:
         "histogram_quantile(0.99, sum by (instance, le) (rate(cachefs_read_duration",
         "rate(cachefs_hub_sent_bytes_total",
         "sum by (instance)",
+        # What went wrong: failed reads, stalls, cache and hub errors; and the processes.
+        "increase(cachefs_fuse_errors_total", "increase(cachefs_fetch_failures_total",
+        "histogram_quantile(0.99, sum by (instance, le) (rate(cachefs_read_stall_seconds_bucket",
+        "increase(cachefs_store_errors_total", "increase(cachefs_upstream_errors_total",
+        'cachefs_hub_requests_total{instance=~"$hub", status=~"5.."}',
+        "process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds",
     ]:
         assert needle in everything, needle
 
@@ -558,6 +594,107 @@ def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
     rules_file.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     result = run_tool(require_tool("promtool"), "check", "rules", rules_file)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# Dashboard queries that have no series while nothing fails: 5xx answers and
+# 401s are counted by labels that only exist once one happened.
+EMPTY_WHILE_HEALTHY = ('status=~"5.."', "cachefs_hub_auth_failures_total")
+PROMETHEUS_START_TIMEOUT_S = 30.0
+ALERT_TIMEOUT_S = 30.0
+
+
+@contextmanager
+def running_prometheus(workdir: Path, targets: dict[str, str]) -> Iterator[str]:
+    """Debian's Prometheus on a loopback port with the shipped prometheus.yml
+    and alerts.yml, scraping `targets` (job name -> host:port) every second
+    instead of the example hosts; yields its URL."""
+    config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    config["rule_files"] = [str(PROMETHEUS / name) for name in config["rule_files"]]
+    for job in config["scrape_configs"]:
+        job["static_configs"] = [{"targets": [targets[job["job_name"]]]}]
+    assert {job["job_name"] for job in config["scrape_configs"]} == set(targets)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_loopback_port()
+    with open(workdir / "prometheus.log", "wb") as log:
+        proc = subprocess.Popen(
+            [require_tool("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
+             f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+        )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def prometheus_query(url: str, expr: str) -> list[dict[str, Any]]:
+    """The series an instant query returns (empty while Prometheus is not up yet)."""
+    try:
+        with urllib.request.urlopen(f"{url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}", timeout=10) as answer:
+            body = json.load(answer)
+    except OSError:
+        return []
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def wait_for_query(url: str, expr: str, done: Any, timeout_s: float) -> list[dict[str, Any]]:
+    """Repeat `expr` until `done(result)`; the last result, or a failure at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = prometheus_query(url, expr)
+        if done(result):
+            return result
+        if time.monotonic() > deadline:
+            pytest.fail(f"{expr!r} still gives {result} after {timeout_s} s")
+        time.sleep(0.5)
+
+
+def firing(url: str) -> set[str]:
+    return {series["metric"]["alertname"] for series in prometheus_query(url, 'ALERTS{alertstate="firing"}')}
+
+
+def test_live_prometheus_fills_the_dashboard_and_alerts_on_a_failed_read(dataset: Path, tmp_path: Path) -> None:
+    """A real Prometheus scrapes a real hub and spoke with the shipped scrape
+    config and rules: every dashboard query returns series, nothing alerts
+    while all is well, and the spoke's first failed read raises
+    CachefsReadsFailing and CachefsFetchesGivenUp."""
+    spoke_port = free_loopback_port()
+    args = ["--fetch-timeout", "1", "--prefetch-siblings", "0", "--metrics-listen", f"127.0.0.1:{spoke_port}"]
+    with (
+        running_hub(dataset) as hub,
+        mounted_spoke(hub.url, tmp_path, args) as spoke,
+        running_prometheus(tmp_path / "prometheus", {"cachefs-hub": f"{hub.host}:{hub.port}",
+                                                     "cachefs-spoke": f"127.0.0.1:{spoke_port}"}) as prometheus,
+    ):
+        with open(spoke.mountpoint / "shards/shard-000.bin", "rb") as shard:
+            assert shard.read(10) == (dataset / "shards/shard-000.bin").read_bytes()[:10]
+        # Both targets up, with enough samples for a rate over 10 s.
+        wait_for_query(prometheus, "count_over_time(up[10s]) >= 4 and up == 1", lambda result: len(result) == 2,
+                       PROMETHEUS_START_TIMEOUT_S)
+        for title, expr in dashboard_queries():
+            for variable, value in {"$__rate_interval": "10s", "$instance": ".*", "$hub": ".*"}.items():
+                expr = expr.replace(variable, value)
+            result = prometheus_query(prometheus, expr)
+            assert result or any(needle in expr for needle in EMPTY_WHILE_HEALTHY), f"{title}: no series for {expr}"
+        for panel in ("Memory (RSS)", "CPU", "File descriptors in use"):  # one series per process: hub and spoke
+            exprs = [expr.replace("$__rate_interval", "10s").replace("$instance", ".*").replace("$hub", ".*")
+                     for title, expr in dashboard_queries() if title == panel]
+            assert [len(prometheus_query(prometheus, expr)) for expr in exprs] == [1, 1], panel
+        assert prometheus_query(prometheus, "ALERTS") == []
+
+        hub.stop()
+        with open(spoke.mountpoint / "shards/shard-002.bin", "rb") as shard, pytest.raises(OSError):
+            shard.read(10)
+        wait_for_query(prometheus, 'ALERTS{alertstate="firing"}',
+                       lambda _: {"CachefsReadsFailing", "CachefsFetchesGivenUp"} <= firing(prometheus), ALERT_TIMEOUT_S)
 
 
 # -- Kubernetes ---------------------------------------------------------------------

@@ -116,13 +116,20 @@ def test_snapshot_gauges_match_healthz(served: Served) -> None:
 
 
 def test_every_metric_is_prefixed_and_no_label_is_a_path(served: Served) -> None:
+    """The hub's own metrics under cachefs_hub_, the standard process and
+    Python ones under their standard names, and no *_created series."""
     http_get(served.hub, "/v1/files/" + next(iter(served.contents)))  # a request with an id in its path
     reply = http_get(served.hub, "/metrics")
     assert reply.headers["content-type"].startswith("text/plain")
+    assert b"_created" not in reply.body
     samples = scrape_metrics(served.hub)
     assert samples
+    names = {name for name, _ in samples}
+    assert {"process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds", "python_info"} <= names
     for name, labels in samples:
-        assert name.startswith("cachefs_hub_"), name
+        if name.startswith(("process_", "python_info")):
+            continue
+        assert name.startswith("cachefs_hub_") and not name.startswith("cachefs_hub_process_"), name
         for key, value in labels:
             assert key in {"endpoint", "status", "reason", "result", "generation", "le"}, (name, key)
             assert "/" not in value and value not in served.contents, (name, key, value)

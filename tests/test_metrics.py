@@ -20,14 +20,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+def scrape_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        return answer.read().decode()
+
+
+def parse(text: str) -> dict[str, float]:
+    """`name{labels}` as written -> value."""
     samples = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             samples[name] = float(value)
     return samples
+
+
+def scrape(port: int) -> dict[str, float]:
+    return parse(scrape_text(f"http://127.0.0.1:{port}/metrics"))
 
 
 def test_metrics_match_what_was_read(hub, dataset: Path, tmp_path: Path) -> None:
@@ -59,15 +68,50 @@ def test_failures_are_counted_by_kind_and_operation(dataset: Path, tmp_path: Pat
     with running_hub(dataset) as hub:
         args = (*SPOKE_ARGS, "--fetch-timeout", "1", "--metrics-listen", f"127.0.0.1:{port}")
         with mounted_spoke(hub.url, tmp_path, args) as spoke:
+            before = scrape(port)
             hub.stop()
             try:
                 read_uncached(spoke.mountpoint / "shards/shard-001.bin", 0, 10)
             except OSError:
                 pass
             metrics = scrape(port)
+    # Exported at zero before the first failure, so that increase() over a
+    # window sees that failure (the failed-read alerts rely on it).
+    assert before['cachefs_fuse_errors_total{operation="read"}'] == 0
+    assert before['cachefs_upstream_errors_total{kind="connection"}'] == 0
+    assert before["cachefs_fetch_failures_total"] == 0
     assert metrics['cachefs_fuse_errors_total{operation="read"}'] >= 1
-    assert metrics['cachefs_hub_errors_total{kind="connection"}'] >= 1
+    assert metrics['cachefs_upstream_errors_total{kind="connection"}'] >= 1
     assert metrics["cachefs_fetch_failures_total"] >= 1
+    # The spoke's counter of failed hub requests is in the spoke's namespace;
+    # cachefs_hub_ is the hub's.
+    assert not [name for name in {**before, **metrics} if name.startswith("cachefs_hub_")]
+
+
+def resident_bytes(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
+
+
+def test_hub_and_spoke_export_process_metrics_and_no_created_series(hub, dataset: Path, tmp_path: Path) -> None:
+    port = free_port()
+    with mounted_spoke(hub.url, tmp_path, (*SPOKE_ARGS, "--metrics-listen", f"127.0.0.1:{port}")) as spoke:
+        relative = "shards/shard-000.bin"
+        assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()  # samples in every histogram
+        spoke_text = scrape_text(f"http://127.0.0.1:{port}/metrics")
+        assert spoke.pid is not None
+        daemon_rss = resident_bytes(spoke.pid)
+    hub_text = scrape_text(hub.url + "/metrics")
+    hub_rss = resident_bytes(hub.proc.pid)
+    for text, rss in [(spoke_text, daemon_rss), (hub_text, hub_rss)]:
+        samples = parse(text)
+        # The daemon's own process (not the CLI that mounted it), under the standard names.
+        assert rss / 2 < samples["process_resident_memory_bytes"] < rss * 2
+        assert samples["process_cpu_seconds_total"] > 0
+        assert 0 < samples["process_open_fds"] < samples["process_max_fds"]
+        assert "_created" not in text
+        assert not [name for name in samples if name.startswith("cachefs_hub_process_")]
+    assert parse(spoke_text)["cachefs_read_duration_seconds_count"] > 0
 
 
 def test_readiness_is_reported_to_systemd(hub, tmp_path: Path) -> None:

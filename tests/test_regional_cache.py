@@ -11,6 +11,7 @@ go untested.
 from __future__ import annotations
 
 import gzip
+import http.client
 import json
 import math
 import os
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import pytest
 from dataset import source_files
-from hub_helpers import HubProcess, running_hub
+from hub_helpers import HubProcess, running_hub, scrape_metrics
 from mount_helpers import is_mounted, mounted_spoke, run_cachefs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -383,3 +384,35 @@ def test_tokens_pass_through_and_cached_blocks_are_shared(dataset: Path, tmp_pat
     # slice reached the hub at most once.
     slices = {str(r["i"]): math.ceil(int(r["s"]) / SLICE_BYTES) for r in records.values()}  # type: ignore[call-overload]
     assert all(count <= slices[file_id] for (file_id, _, status), count in statuses.items() if status == "206")
+
+
+def request_status(url: str, method: str, path: str) -> int:
+    """The status of one request (`method`, no body) to the server at `url`."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request(method, path)
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    finally:
+        conn.close()
+
+
+def test_only_reads_pass_through(dataset: Path, tmp_path: Path) -> None:
+    """Spokes only GET: POST /v1/rescan (a whole scan of the hub's root, for
+    the hub's operators) and every other method are refused by nginx and
+    never reach the hub, while reads still do."""
+    with running_hub(dataset) as hub, running_nginx(hub, tmp_path / "nginx") as cache:
+        assert request_status(hub.url, "POST", "/v1/rescan") == 200  # the hub itself takes it
+        for method, path in [("POST", "/v1/rescan"), ("POST", "/v1/manifest"), ("PUT", "/v1/files/0123456789abcdef"),
+                             ("DELETE", "/v1/files/0123456789abcdef"), ("PATCH", "/healthz"), ("OPTIONS", "/v1/rescan")]:
+            assert request_status(cache.url, method, path) == 405, (method, path)
+        assert request_status(cache.url, "GET", "/healthz") == 200
+        assert request_status(cache.url, "HEAD", "/healthz") == 200
+        samples = scrape_metrics(hub)
+    answered = {
+        (dict(labels)["endpoint"], dict(labels)["status"]): count
+        for (name, labels), count in samples.items() if name == "cachefs_hub_requests_total" and count
+    }
+    assert answered == {("rescan", "200"): 1, ("healthz", "200"): 2}  # the direct POST and the two reads
