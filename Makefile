@@ -39,10 +39,10 @@ test: system-packages setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 bench: system-packages setup
-	$(BIN)/pip install -q -e '.[bench]' && $(BIN)/python -m cachefs.bench $(BENCH_ARGS)
+	$(BIN)/pip install -q -e '.[bench]' && $(BIN)/python -m bench $(BENCH_ARGS)
 
 lint: setup
-	$(BIN)/python -m ruff check cachefs hubserver tests scripts
+	$(BIN)/python -m ruff check cachefs hubserver tests scripts bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info

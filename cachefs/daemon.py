@@ -24,26 +24,26 @@ import pyfuse3
 import trio
 
 from . import __version__
-from .admin import Admin
 from .cache import BlockCache
 from .config import MountConfig, memory_budget
-from .control import SOCKET_NAME, ControlServer
+from .control.admin import Admin
+from .control.server import SOCKET_NAME, ControlServer
 from .db import IndexDb, NamespaceDb, get_meta, open_cache_databases, put_meta
 from .errors import CacheDirInUse, CachefsError, UsageError
-from .fetcher import Fetcher
-from .fs import CachefsOperations
-from .hub_client import HubClient
+from .fetch.fetcher import Fetcher
+from .fetch.hub_client import HubClient
+from .fs.mountpoints import find_mount
+from .fs.operations import CachefsOperations
+from .fs.passthrough import Passthrough
 from .metrics import Stats, cache_gauges, serve_metrics, training_gauges
-from .mountpoints import find_mount
-from .namespace import Changes, Namespace
-from .passthrough import Passthrough
-from .planner import ActivePlans, Planner
+from .namespace.snapshots import Snapshots
+from .namespace.tree import Changes, Namespace
+from .prefetch.readahead import OpenFiles, ReadAhead
 from .read.blocks import BlockSource
 from .read.claims import ReadAheadClaims
 from .read.held import HeldBlocks
-from .readahead import OpenFiles, ReadAhead
-from .reader import Reader
-from .snapshots import Snapshots
+from .read.reader import Reader
+from .training.planner import ActivePlans, Planner
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,10 @@ import pytest
 from hub_helpers import hub_env
 from mount_helpers import SpokeMount
 
+from bench import side_by_side, targets
+from bench.harness import bytes_read, warm_caps
 from cachefs.bench import cli as bench_cli
-from cachefs.bench import report, side_by_side, targets
-from cachefs.bench.harness import bytes_read, warm_caps
+from cachefs.bench import report
 from cachefs.bench.loader import SAMPLE_BYTES, LoaderConfig, run_loader
 from cachefs.bench.workloads import find_dataset, random_pread, sequential_read, small_read_all, tree_walk
 
@@ -203,7 +204,7 @@ def wan_target() -> Iterator[_Target]:
 
 
 def start_wan(target_port: int, delay_ms: float, rate_mbit: float | None = None) -> tuple[subprocess.Popen[str], int]:
-    argv = [sys.executable, "-m", "cachefs.bench.wan", "--target", f"127.0.0.1:{target_port}",
+    argv = [sys.executable, "-m", "bench.wan", "--target", f"127.0.0.1:{target_port}",
             "--delay-ms", str(delay_ms), *(["--rate-mbit", str(rate_mbit)] if rate_mbit else [])]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
                             text=True, env=hub_env())
@@ -262,7 +263,7 @@ def test_wan_caps_the_rate(wan_target: _Target) -> None:
 
 
 def test_static_server_index_and_ranges(local_dataset: Path) -> None:
-    argv = [sys.executable, "-m", "cachefs.bench.static_server", "--root", str(local_dataset)]
+    argv = [sys.executable, "-m", "bench.static_server", "--root", str(local_dataset)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=hub_env())
     try:
         assert proc.stdout is not None

@@ -12,7 +12,7 @@ import pytest
 from conftest import SPOKE_ARGS
 from mount_helpers import SpokeMount, daemon_pid, is_mounted, mounted_spoke, run_cachefs
 
-from cachefs.mountpoints import mount_of, network_file_system
+from cachefs.fs.mountpoints import mount_of, network_file_system
 
 
 def assert_clean_failure(result, *fragments: str) -> None:

@@ -146,7 +146,7 @@ def test_a_large_namespace_is_loaded_and_refreshed_in_a_child_process(tmp_path: 
         assert not (spoke.mountpoint / "d49").exists()
         assert (spoke.mountpoint / "d00" / "sample-00000.jpg").read_bytes() == b"second version"
         assert list((spoke.cache_dir / "tmp").iterdir()) == []  # no manifest, answer or list of changes left
-        loads = [line for line in spoke.log_text().splitlines() if "cachefs.namespace_loader INFO loaded manifest" in line]
+        loads = [line for line in spoke.log_text().splitlines() if "cachefs.namespace.loader INFO loaded manifest" in line]
     assert len(loads) == 2, loads  # the mount's and the refresh's
 
 

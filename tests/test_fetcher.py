@@ -22,8 +22,8 @@ from test_hub_checksums import manifest_files
 
 from cachefs.cache import BlockCache, BlockKey
 from cachefs.config import MemoryBudget, parse_hub_url
-from cachefs.fetcher import Fetcher
-from cachefs.hub_client import HubClient
+from cachefs.fetch.fetcher import Fetcher
+from cachefs.fetch.hub_client import HubClient
 from cachefs.metrics import Stats
 from cachefs.read.blocks import BlockSource
 from cachefs.read.claims import CLAIM_MAX_AGE_S, ReadAheadClaims

@@ -27,7 +27,7 @@ from hub_helpers import HubProcess, Reply, run_hub_cli, running_hub
 from hub_helpers import http_get as get
 
 from cachefs.db import open_namespace_db
-from cachefs.namespace import load_manifest
+from cachefs.namespace.tree import load_manifest
 from hubserver.manifest import ManifestWriter, check_unchanged, header_line, scan
 
 pytestmark = pytest.mark.timeout(60)

@@ -16,8 +16,8 @@ import trio
 
 from cachefs.config import parse_hub_url
 from cachefs.errors import HubError, HubProtocolError
-from cachefs.hub_client import HubClient
-from cachefs.snapshots import download_manifest
+from cachefs.fetch.hub_client import HubClient
+from cachefs.namespace.snapshots import download_manifest
 
 HEADER_LINE = json.dumps({"format": "cachefs-manifest", "format_version": 1, "generation": "g1"}).encode()
 Body = Callable[[trio.SocketStream], Awaitable[None]]

@@ -16,8 +16,8 @@ import xxhash
 
 from cachefs.db import NamespaceDb, open_namespace_db
 from cachefs.errors import CachefsError, HubProtocolError
-from cachefs.namespace import ROOT_INODE, ManifestSummary, Namespace, NamespaceChanges, inode_number, load_manifest
-from cachefs.namespace_loader import ChildFailed, load_in_child
+from cachefs.namespace.loader import ChildFailed, load_in_child
+from cachefs.namespace.tree import ROOT_INODE, ManifestSummary, Namespace, NamespaceChanges, inode_number, load_manifest
 
 HEADER = {"format": "cachefs-manifest", "format_version": 1}
 

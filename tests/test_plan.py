@@ -20,13 +20,13 @@ from mount_helpers import SpokeMount, mounted_spoke, run_cachefs, wait_for_stats
 from test_metrics import free_port, scrape
 from test_mount import read_uncached
 
+from bench.plan_bench import belady_hits
 from cachefs import plan as cachefs_plan
-from cachefs import planner
-from cachefs.bench.plan_bench import belady_hits
 from cachefs.cache import BlockKey
 from cachefs.errors import CachefsError
-from cachefs.namespace import KIND_FILE, Inode
-from cachefs.planner import INITIAL_LOOKAHEAD_BLOCKS
+from cachefs.namespace.tree import KIND_FILE, Inode
+from cachefs.training import planner
+from cachefs.training.planner import INITIAL_LOOKAHEAD_BLOCKS
 
 # No read-ahead of the reader's own: every prefetch in these tests is the plan's.
 PLAIN_ARGS = (*SPOKE_ARGS, "--readahead-blocks", "0", "--prefetch-siblings", "0")

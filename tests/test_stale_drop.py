@@ -10,12 +10,12 @@ import trio
 from cache_helpers import block_cache
 from test_namespace import dir_entry, file_entry, write_manifest
 
-from cachefs import snapshots
 from cachefs.cache import BlockCache, BlockKey
 from cachefs.config import MountConfig, parse_hub_url
 from cachefs.db import open_namespace_db
-from cachefs.hub_client import HubClient
-from cachefs.namespace import Namespace, inode_number, load_manifest
+from cachefs.fetch.hub_client import HubClient
+from cachefs.namespace import snapshots
+from cachefs.namespace.tree import Namespace, inode_number, load_manifest
 
 BLOCK = 64 * 1024
 FILES = 100

@@ -6,7 +6,7 @@ import pytest
 import trio
 import trio.testing
 
-from cachefs.fetcher import _ByteBudget
+from cachefs.fetch.fetcher import _ByteBudget
 
 
 @pytest.mark.trio

@@ -1,1 +1,1 @@
-"""Benchmarks and the WAN emulator they (and the tests) use."""
+"""`cachefs bench PATH`: read workloads against any directory (the peer comparison is in the top-level bench/)."""

@@ -20,7 +20,7 @@ from ..errors import CachefsError
 from ..metrics import Stats
 from .index import BlockIndex, IndexEntry
 from .keys import BlockData, BlockKey
-from .plan_admission import EvictionAdvisor, PlanVictims, Victims
+from .plan_eviction import EvictionAdvisor, PlanVictims, Victims
 from .policy import FrequencySketch
 from .store import BlockStore
 

@@ -16,7 +16,7 @@ from typing import TypeVar
 import trio
 
 from ..cache import BlockCache, BlockData, BlockKey
-from ..fetcher import Fetcher
+from ..fetch.fetcher import Fetcher
 from ..metrics import STALL_DURATION, Stats
 from .held import HeldBlocks
 

@@ -23,13 +23,13 @@ from typing import Any
 import lmdb
 import trio
 
-from .cache import BlockCache
-from .config import MountConfig
-from .db import NamespaceDb, put_meta
-from .errors import CachefsError, HubError, HubProtocolError, HubUnavailable
-from .hub_client import HubClient, parse_json
-from .namespace import Changes, ManifestSummary, Namespace, load_manifest
-from .namespace_loader import ChildFailed, load_in_child
+from ..cache import BlockCache
+from ..config import MountConfig
+from ..db import NamespaceDb, put_meta
+from ..errors import CachefsError, HubError, HubProtocolError, HubUnavailable
+from ..fetch.hub_client import HubClient, parse_json
+from .loader import ChildFailed, load_in_child
+from .tree import Changes, ManifestSummary, Namespace, load_manifest
 
 log = logging.getLogger(__name__)
 

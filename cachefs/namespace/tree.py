@@ -20,9 +20,9 @@ from typing import Any, Protocol, TypeVar
 import lmdb
 import xxhash
 
-from .db import NamespaceDb
-from .errors import HubProtocolError
-from .hub_client import parse_json
+from ..db import NamespaceDb
+from ..errors import HubProtocolError
+from ..fetch.hub_client import parse_json
 
 log = logging.getLogger(__name__)
 

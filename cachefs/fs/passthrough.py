@@ -34,10 +34,10 @@ from typing import Protocol
 import pyfuse3
 import trio
 
-from .cache import BlockCache, BlockKey
-from .errors import OpenInAnotherVersion
-from .metrics import Stats
-from .namespace import Inode
+from ..cache import BlockCache, BlockKey
+from ..errors import OpenInAnotherVersion
+from ..metrics import Stats
+from ..namespace.tree import Inode
 
 log = logging.getLogger(__name__)
 

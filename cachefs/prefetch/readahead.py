@@ -37,12 +37,12 @@ from typing import Any, Protocol, TypeVar
 
 import trio
 
-from .cache import BlockCache, BlockKey
-from .config import COALESCE_BLOCKS, READAHEAD_RUNS_IN_FLIGHT
-from .fetcher import Fetcher
-from .metrics import Stats
-from .namespace import Inode, Namespace
-from .runs import missing_runs
+from ..cache import BlockCache, BlockKey
+from ..config import COALESCE_BLOCKS, READAHEAD_RUNS_IN_FLIGHT
+from ..fetch.fetcher import Fetcher
+from ..fetch.runs import missing_runs
+from ..metrics import Stats
+from ..namespace.tree import Inode, Namespace
 
 log = logging.getLogger(__name__)
 

@@ -69,19 +69,19 @@ from typing import Any
 
 import trio
 
-from .cache import BlockCache, BlockKey
-from .cache.plan_admission import INFINITE
-from .cache.store import punch_hole
-from .config import COALESCE_BLOCKS, MemoryBudget
-from .control import Lines, Progress
-from .errors import CachefsError
-from .fetcher import Fetcher
-from .metrics import Stats
-from .namespace import Inode, Namespace, block_length
-from .read.held import HeldBlocks, Owner
-from .readahead import logging_failure
-from .runs import missing_runs
-from .training_stats import TrainingStats
+from ..cache import BlockCache, BlockKey
+from ..cache.plan_eviction import INFINITE
+from ..cache.store import punch_hole
+from ..config import COALESCE_BLOCKS, MemoryBudget
+from ..control.server import Lines, Progress
+from ..errors import CachefsError
+from ..fetch.fetcher import Fetcher
+from ..fetch.runs import missing_runs
+from ..metrics import Stats
+from ..namespace.tree import Inode, Namespace, block_length
+from ..prefetch.readahead import logging_failure
+from ..read.held import HeldBlocks, Owner
+from .stats import TrainingStats
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import collections
 
 import trio
 
-from .cache import BlockKey
-from .errors import HubProtocolError
+from ..cache import BlockKey
+from ..errors import HubProtocolError
 from .hub_client import HubClient
 
 # Checksums are asked for 64 blocks at a time (512 bytes of answer): one

@@ -6,7 +6,7 @@ dataset twice the cache size: cyclic sequential epochs, and a shuffled
 sample loader (a new permutation every epoch). Plain LRU replays the same
 traces for reference.
 
-    python -m cachefs.bench.policy_bench [--cache-blocks 2000] [--epochs 5]
+    python -m bench.policy_bench [--cache-blocks 2000] [--epochs 5]
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..cache import BlockCache, BlockKey
-from ..db import open_index_db
-from ..metrics import Stats
+from cachefs.cache import BlockCache, BlockKey
+from cachefs.db import open_index_db
+from cachefs.metrics import Stats
+
 from .plan_bench import lru_hits
 
 BLOCK_BYTES = 4096  # small blocks: the policy sees keys and sizes, not contents
@@ -66,7 +67,7 @@ def replay_lru(epochs: list[list[int]], cache_blocks: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cachefs.bench.policy_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.policy_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--cache-blocks", type=int, default=2000)
     parser.add_argument("--dataset-factor", type=float, default=2.0, help="dataset size / cache size (default: 2)")
     parser.add_argument("--epochs", type=int, default=5)

@@ -16,12 +16,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import __version__, cli_admin
-from .cache.store import can_free_space
-from .config import MountConfig, parse_hub_url, parse_listen, parse_size, read_token, validate_block_size
-from .config_file import ConfigFileError, with_config_file
-from .errors import CachefsError, UsageError
-from .mountpoints import lazy_unmount, network_file_system, prepare_mountpoint
+from .. import __version__
+from ..cache.store import can_free_space
+from ..config import MountConfig, parse_hub_url, parse_listen, parse_size, read_token, validate_block_size
+from ..config_file import ConfigFileError, with_config_file
+from ..errors import CachefsError, UsageError
+from ..fs.mountpoints import lazy_unmount, network_file_system, prepare_mountpoint
+from . import admin as cli_admin
 
 log = logging.getLogger("cachefs")
 
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # its own parser: argparse would take `bench --help` for ours
-        from .bench.cli import main as bench_main
+        from ..bench.cli import main as bench_main
 
         return bench_main(argv[1:])
     parser = build_parser()
@@ -242,7 +243,7 @@ def _mount(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _run_foreground(config: MountConfig, notify: Any) -> int:
-    from .daemon import describe_error, run_daemon  # pyfuse3 is only needed here
+    from ..daemon import describe_error, run_daemon  # pyfuse3 is only needed here
 
     try:
         return run_daemon(config, notify)

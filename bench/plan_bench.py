@@ -1,11 +1,11 @@
 """Training-aware caching benchmark: a shuffled-sample loader over shards, with and without a plan.
 
-    python -m cachefs.bench.plan_bench --quick          # ~3 minutes
-    python -m cachefs.bench.plan_bench --out results/   # bigger cache and datasets
+    python -m bench.plan_bench --quick          # ~3 minutes
+    python -m bench.plan_bench --out results/   # bigger cache and datasets
 
 Everything runs on this machine (as root, for FUSE): one hub serving three
 datasets of random shards at 0.5x, 1x and 2x the cache size, behind the WAN
-emulator (`cachefs.bench.wan`, 60 ms RTT and a rate cap by default), and for
+emulator (`bench.wan`, 60 ms RTT and a rate cap by default), and for
 each dataset and mode a fresh cachefs mount with an empty cache:
 
 - `plan`: the loader's sampler is a `cachefs.plan.PlanSampler`, so each
@@ -55,7 +55,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import plan as cachefs_plan
+from cachefs import plan as cachefs_plan
 
 log = logging.getLogger(__name__)
 
@@ -415,7 +415,7 @@ def run(config: BenchConfig, work: Path, out: Path | None) -> dict[str, Any]:
         hub = Process([sys.executable, "-m", "hubserver", "serve", "--root", str(data_root), "--listen", "127.0.0.1:0"],
                       "cachefs-hub listening on ", work / "hub.log")
         stack.callback(hub.stop)
-        wan_argv = [sys.executable, "-m", "cachefs.bench.wan", "--target", hub.url.removeprefix("http://"),
+        wan_argv = [sys.executable, "-m", "bench.wan", "--target", hub.url.removeprefix("http://"),
                     "--delay-ms", str(config.rtt_ms / 2)]
         if config.rate_mbit:
             wan_argv += ["--rate-mbit", str(config.rate_mbit)]
@@ -491,7 +491,7 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cachefs.bench.plan_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.plan_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="512 MiB cache, 3 epochs (about 3 minutes)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/cachefs-plan-bench"),
                         help="datasets (kept for the next run), mounts and caches (default: /tmp/cachefs-plan-bench)")

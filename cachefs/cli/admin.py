@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import control
-from .config import format_size
-from .errors import CachefsError, UsageError
-from .mountpoints import FSTYPE, find_mount, list_mounts
+from ..config import format_size
+from ..control import server as control
+from ..errors import CachefsError, UsageError
+from ..fs.mountpoints import FSTYPE, find_mount, list_mounts
 
 STATS_XATTR = "user.cachefs.stats"
 

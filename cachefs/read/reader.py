@@ -12,14 +12,14 @@ from typing import Protocol
 
 import trio
 
-from .cache import BlockData, BlockKey
-from .cache.policy import FrequencySketch
-from .errors import HubError, RemoteFileChanged
-from .metrics import Stats
-from .namespace import Inode
-from .read.blocks import BlockSource
-from .read.claims import ReadAheadClaims
-from .readahead import SEQUENTIAL_THRESHOLD, OpenFile, ReadAhead
+from ..cache import BlockData, BlockKey
+from ..cache.policy import FrequencySketch
+from ..errors import HubError, RemoteFileChanged
+from ..metrics import Stats
+from ..namespace.tree import Inode
+from ..prefetch.readahead import SEQUENTIAL_THRESHOLD, OpenFile, ReadAhead
+from .blocks import BlockSource
+from .claims import ReadAheadClaims
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from typing import Any
 import h11
 import trio
 
-from .buffers import unfilled_buffer
-from .config import HubURL
-from .errors import BatchUnsupported, HubProtocolError, HubStatusError, HubTLSError, HubUnavailable, RemoteFileChanged
+from ..buffers import unfilled_buffer
+from ..config import HubURL
+from ..errors import BatchUnsupported, HubProtocolError, HubStatusError, HubTLSError, HubUnavailable, RemoteFileChanged
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ of links and ranged GETs by path. `web.FileResponse` handles Range, HEAD,
 `dir/`), which both httpdirfs and rclone parse (aiohttp's own
 `show_index` pages link absolute paths, which httpdirfs 1.2 ignores).
 
-    python -m cachefs.bench.static_server --root /data --listen 127.0.0.1:0
+    python -m bench.static_server --root /data --listen 127.0.0.1:0
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ async def serve(root: Path, host: str, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cachefs.bench.static_server", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.static_server", description=__doc__.split("\n")[0])
     parser.add_argument("--root", required=True, type=Path, help="directory to serve")
     parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (default: 127.0.0.1:0)")
     args = parser.parse_args(argv)

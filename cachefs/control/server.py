@@ -29,7 +29,7 @@ from typing import Any
 
 import trio
 
-from .errors import CachefsError
+from ..errors import CachefsError
 
 log = logging.getLogger(__name__)
 

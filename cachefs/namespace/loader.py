@@ -21,7 +21,7 @@ dies before never leaves an answer for a generation the namespace shows.
 On stdout the child says "started" once it runs, then either "ok" or the
 error as JSON.
 
-    python -m cachefs.namespace_loader NAMESPACE_DIR MANIFEST_GZ ANSWER_JSON
+    python -m cachefs.namespace.loader NAMESPACE_DIR MANIFEST_GZ ANSWER_JSON
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from typing import Any, BinaryIO, Generic, TypeVar
 import lmdb
 import trio
 
-from .db import open_namespace_db
-from .errors import CachefsError, HubProtocolError
-from .namespace import ManifestSummary, NamespaceChanges, load_manifest
+from ..db import open_namespace_db
+from ..errors import CachefsError, HubProtocolError
+from .tree import ManifestSummary, NamespaceChanges, load_manifest
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ def _load(namespace_dir: Path, manifest_gz: Path, answer_path: Path) -> dict[str
 
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
-        print("usage: python -m cachefs.namespace_loader NAMESPACE_DIR MANIFEST_GZ ANSWER_JSON", file=sys.stderr)
+        print("usage: python -m cachefs.namespace.loader NAMESPACE_DIR MANIFEST_GZ ANSWER_JSON", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     print("started", flush=True)

@@ -1,7 +1,7 @@
-"""`python -m cachefs.bench` (`make bench`): local disk, cachefs, rclone, httpdirfs; cold and warm over a WAN.
+"""`python -m bench` (`make bench`): local disk, cachefs, rclone, httpdirfs; cold and warm over a WAN.
 
-    python -m cachefs.bench --quick          # a few minutes: 2 GiB of shards, 2,000 small files
-    python -m cachefs.bench                  # under 30 minutes: 4 GiB of shards, 20,000 small files
+    python -m bench --quick          # a few minutes: 2 GiB of shards, 2,000 small files
+    python -m bench                  # under 30 minutes: 4 GiB of shards, 20,000 small files
 
 Builds a dataset, starts a hub and a static HTTP server (for the peers),
 puts the WAN emulator in front of them, and runs `cachefs bench` on every
@@ -30,20 +30,22 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ..config import parse_size
-from . import report, side_by_side, targets
+from cachefs.bench import report
+from cachefs.config import parse_size
+
+from . import side_by_side, targets
 from .dataset import FULL_SPEC, QUICK_SPEC, DatasetSpec, build_dataset
 from .harness import LINKS, PEERS, Bench, RunConfig
 from .plot import plot_loader
 
-log = logging.getLogger("cachefs.bench")
+log = logging.getLogger("bench")
 
 APT_TIMEOUT_S = 600.0
 CALIBRATION_STREAMS = 8  # parallel curl GETs measuring what a link can carry
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m cachefs.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small dataset and budgets: a few minutes")
     parser.add_argument("--systems", default="cachefs,rclone,httpdirfs",
                         help="comma-separated systems besides local disk (default: %(default)s)")
@@ -83,7 +85,7 @@ def _split(text: str, allowed: Any, what: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     for name in names:
         if name not in allowed:
-            raise SystemExit(f"python -m cachefs.bench: error: unknown {what} {name!r}")
+            raise SystemExit(f"python -m bench: error: unknown {what} {name!r}")
     return names
 
 
@@ -217,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
             for key in links if system == "cachefs" else peer_links:
                 bench.run_system(system, None if system == "cachefs" else static, LINKS[key])
         results: dict[str, Any] = {
-            "command": "python -m cachefs.bench " + shlex.join(sys.argv[1:]),
+            "command": "python -m bench " + shlex.join(sys.argv[1:]),
             "started": stamp,
             "wall_s": time.monotonic() - began,
             "machine": {"cpus": os.cpu_count(), "kernel": os.uname().release},

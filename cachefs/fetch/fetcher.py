@@ -38,10 +38,9 @@ from typing import Any
 import trio
 import xxhash
 
-from .cache import BlockCache, BlockData, BlockKey
-from .checksums import BlockChecksums
-from .config import MemoryBudget
-from .errors import (
+from ..cache import BlockCache, BlockData, BlockKey
+from ..config import MemoryBudget
+from ..errors import (
     BatchUnsupported,
     FetchAbandoned,
     HubError,
@@ -50,10 +49,11 @@ from .errors import (
     HubUnavailable,
     RemoteFileChanged,
 )
+from ..metrics import FETCH_DURATION, Stats
+from ..read.claims import ReadAheadClaims
+from ..read.held import HeldBlocks, HoldNote, Owner
+from .hub_checksums import BlockChecksums
 from .hub_client import HubClient
-from .metrics import FETCH_DURATION, Stats
-from .read.claims import ReadAheadClaims
-from .read.held import HeldBlocks, HoldNote, Owner
 
 log = logging.getLogger(__name__)
 

@@ -14,14 +14,14 @@ from typing import Any
 
 import trio
 
-from .cache import BlockCache, BlockKey
-from .config import COALESCE_BLOCKS, MountConfig
-from .control import Handler, Progress
-from .errors import CachefsError
-from .fetcher import Fetcher
-from .metrics import Stats
-from .namespace import Inode, Namespace
-from .runs import missing_runs
+from ..cache import BlockCache, BlockKey
+from ..config import COALESCE_BLOCKS, MountConfig
+from ..errors import CachefsError
+from ..fetch.fetcher import Fetcher
+from ..fetch.runs import missing_runs
+from ..metrics import Stats
+from ..namespace.tree import Inode, Namespace
+from .server import Handler, Progress
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .cli import FULL, QUICK, Budget
+from cachefs.bench.cli import FULL, QUICK, Budget
+from cachefs.bench.workloads import find_dataset, sequential_read, small_read_all
+
 from .processes import (
     CachefsMount,
     PeerMount,
@@ -37,7 +39,6 @@ from .processes import (
 )
 from .side_by_side import alternate
 from .targets import PASSTHROUGH_STATE
-from .workloads import find_dataset, sequential_read, small_read_all
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ LINKS = {
 
 @dataclasses.dataclass
 class RunConfig:
-    """Everything `python -m cachefs.bench` was asked to do."""
+    """Everything `python -m bench` was asked to do."""
 
     data_dir: Path
     work_dir: Path
@@ -198,7 +199,7 @@ class Bench:
         return hub
 
     def start_static(self) -> Server:
-        argv = python_command("-m", "cachefs.bench.static_server", "--root", self.config.data_dir,
+        argv = python_command("-m", "bench.static_server", "--root", self.config.data_dir,
                               "--listen", "127.0.0.1:0")
         static = start_server("static", argv, "static listening on ", self.logs / "static.log")
         self.stack.callback(static.stop)
@@ -214,7 +215,7 @@ class Bench:
         if link.delay_ms is None:
             yield server.url, wan
             return
-        argv = python_command("-m", "cachefs.bench.wan", "--target", server.hostport, "--listen", f"127.0.0.1:{port}",
+        argv = python_command("-m", "bench.wan", "--target", server.hostport, "--listen", f"127.0.0.1:{port}",
                               "--delay-ms", f"{link.delay_ms:g}",
                               *(["--rate-mbit", f"{link.rate_mbit:g}"] if link.rate_mbit else []))
         emulator = start_server("wan", argv, "wan listening on ", self.logs / f"{slug}.wan.log")

@@ -8,7 +8,7 @@ waits for earlier chunks to be delivered, so TCP streaming and pipelining
 stay intact: a connection keeps up to `QUEUE_CHUNKS` chunks in flight, like
 a window sized for the bandwidth-delay product.
 
-    python -m cachefs.bench.wan --target 127.0.0.1:8470 --delay-ms 30 --rate-mbit 1000
+    python -m bench.wan --target 127.0.0.1:8470 --delay-ms 30 --rate-mbit 1000
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def make_emulator(target: str, delay_ms: float, rate_mbit: float | None) -> WanE
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cachefs.bench.wan", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.wan", description=__doc__.split("\n")[0])
     parser.add_argument("--target", required=True, help="HOST:PORT to forward to")
     parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (default: 127.0.0.1:0)")
     parser.add_argument("--delay-ms", type=float, default=30.0,

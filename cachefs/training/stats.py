@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .metrics import Stats
+from ..metrics import Stats
 
 WARM_HIT_RATIO = 0.95
 MIN_WINDOW_BLOCKS = 64

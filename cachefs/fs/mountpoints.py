@@ -10,7 +10,7 @@ import subprocess
 import threading
 from pathlib import Path
 
-from .errors import UsageError
+from ..errors import UsageError
 
 log = logging.getLogger(__name__)
 

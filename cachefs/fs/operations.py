@@ -20,12 +20,12 @@ from typing import Any, TypeVar
 
 import pyfuse3
 
-from .errors import HubError, OpenInAnotherVersion, RemoteFileChanged
-from .metrics import READ_DURATION, Stats
-from .namespace import KIND_DIR, KIND_FILE, Inode, Namespace
+from ..errors import HubError, OpenInAnotherVersion, RemoteFileChanged
+from ..metrics import READ_DURATION, Stats
+from ..namespace.tree import KIND_DIR, KIND_FILE, Inode, Namespace
+from ..prefetch.readahead import OpenFiles
+from ..read.reader import Reader
 from .passthrough import Passthrough
-from .readahead import OpenFiles
-from .reader import Reader
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Benchmarks against peers (`make bench`): a development tool, not part of the installed package."""

@@ -1,0 +1,1 @@
+"""Command-line interface: argument parsing, the mount command, operator commands, user-facing errors."""

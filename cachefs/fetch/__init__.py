@@ -1,0 +1,1 @@
+"""Getting blocks from the hub: flights, verified ranged requests with retries, the cache writer."""

@@ -1,0 +1,1 @@
+"""The FUSE layer: pyfuse3 Operations, passthrough of whole cached files, finding mounts."""

@@ -1,0 +1,1 @@
+"""The mounted snapshot: its tree of inodes in LMDB, loading manifests, moving to new generations."""
