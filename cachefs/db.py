@@ -7,11 +7,11 @@ transaction needs both.
 
 `namespace.lmdb`, named databases:
   meta      generation, entries and file bytes of the snapshot loaded, hub URL
-  inodes    inode number -> attributes (namespace.py)
-  names     parent inode + name -> inode (namespace.py)
-  dirents   parent inode + position -> inode + name (namespace.py)
+  inodes    inode number -> attributes (namespace/tree.py)
+  names     parent inode + name -> inode (namespace/tree.py)
+  dirents   parent inode + position -> inode + name (namespace/tree.py)
   loading   inode -> nothing: the entries of the manifest being loaded, emptied
-            before its transaction commits (namespace.py)
+            before its transaction commits (namespace/tree.py)
 
 `index.lmdb`, named databases:
   meta      block size, index format, used bytes, block count, next sequence
@@ -64,7 +64,7 @@ class Environment:
 
 @dataclasses.dataclass(frozen=True)
 class NamespaceDb(Environment):
-    """The snapshot's entries (namespace.py)."""
+    """The snapshot's entries (namespace/tree.py)."""
 
     inodes: lmdb._Database
     names: lmdb._Database

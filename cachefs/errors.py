@@ -1,4 +1,4 @@
-"""The spoke's exception types. Lower layers raise these; fs.py maps them to errno."""
+"""The spoke's exception types. Lower layers raise these; fs/operations.py maps them to errno."""
 
 from __future__ import annotations
 

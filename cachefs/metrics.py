@@ -68,16 +68,16 @@ class Stats:
     fetch_failures: int = 0  # fetches given up (the read failed)
     corrupt_blocks: int = 0  # cached blocks that failed their checksum
     disk_reads: int = 0  # reads of cached bytes not in the page cache (the cache's disk)
-    disk_reads_inline: int = 0  # of those, small reads done on the event loop's thread (reader.py)
+    disk_reads_inline: int = 0  # of those, small reads done on the event loop's thread (read/blocks.py)
     integrity_failures: int = 0  # hub responses that failed their checksum
     store_errors: int = 0
     evicted_blocks: int = 0
     rejected_blocks: int = 0  # fetched but not admitted to a full cache (less popular than what it holds)
-    plan_prefetch_blocks: int = 0  # blocks fetched ahead of readers along a loader's plan (planner.py)
+    plan_prefetch_blocks: int = 0  # blocks fetched ahead of readers along a loader's plan (training/planner.py)
     plan_prefetch_used_blocks: int = 0  # of those, blocks read while the plan still expected them
     plan_prefetch_wasted_blocks: int = 0  # of those, blocks not read before the plan moved past them or ended
     plan_unplanned_blocks: int = 0  # block reads that matched no active plan while one was active
-    passthrough_opens: int = 0  # opens of whole verified cached files the kernel reads directly (passthrough.py)
+    passthrough_opens: int = 0  # opens of whole verified cached files the kernel reads directly (fs/passthrough.py)
     verified_files: int = 0  # cached files read back whole and verified, so they can be opened that way
     hub_errors: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     fuse_errors: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
@@ -120,7 +120,7 @@ _COUNTERS = {  # Stats field -> (metric name without _total, help)
 
 # Label values of the labelled counters exported at zero before the first
 # error, so that increase() and rate() see that error (a series born at 1 has
-# no earlier sample to count from). Kinds are set in fetcher.py.
+# no earlier sample to count from). Kinds are set in fetch/verified.py.
 UPSTREAM_ERROR_KINDS = ("timeout", "connection", "protocol", "changed", "http_4xx", "http_5xx")
 WATCHED_FUSE_OPERATIONS = ("open", "read")  # the ones a failed read of a file fails in
 

@@ -25,7 +25,7 @@ from cachefs import plan as cachefs_plan
 from cachefs.cache import BlockKey
 from cachefs.errors import CachefsError
 from cachefs.namespace.tree import KIND_FILE, Inode
-from cachefs.training import planner
+from cachefs.training import entries, planner, plans
 from cachefs.training.planner import INITIAL_LOOKAHEAD_BLOCKS
 
 # No read-ahead of the reader's own: every prefetch in these tests is the plan's.
@@ -267,10 +267,10 @@ def test_plan_sampler_outside_a_mount_samples_unplanned(tmp_path: Path, caplog: 
 
 
 def test_entry_store_spills_beyond_memory_and_reads_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(planner, "CHUNK_ENTRIES", 4)
-    monkeypatch.setattr(planner, "MEMORY_CHUNKS", 2)
+    monkeypatch.setattr(entries, "CHUNK_ENTRIES", 4)
+    monkeypatch.setattr(entries, "MEMORY_CHUNKS", 2)
     spill = tmp_path / "plans" / "1.entries"
-    store = planner.EntryStore(spill)
+    store = entries.EntryStore(spill)
     rng = random.Random(5)
     values = [rng.randrange(1 << 60) for _ in range(50)]
     for value in values:
@@ -292,7 +292,7 @@ def test_a_plan_of_many_files_keeps_a_compact_file_table(tmp_path: Path) -> None
                     file_id=random.Random(n).randbytes(8), version=n.to_bytes(8, "big")) for n in range(count)]
     tracemalloc.start()
     try:
-        plan = planner.Plan(1, planner.EntryStore(tmp_path / "1.entries"), block_size=1 << 20)
+        plan = plans.Plan(1, entries.EntryStore(tmp_path / "1.entries"), block_size=1 << 20)
         before = tracemalloc.get_traced_memory()[0]
         for inode in inodes:
             plan.add_file(inode)
@@ -317,22 +317,22 @@ def test_a_plan_that_cannot_be_spilled_is_refused_and_a_cut_spill_file_is_an_err
     """A nearly full disk writes part of a chunk and then fails: the plan is refused (before,
     the short write went unnoticed and reading the chunk back looped forever on the trio
     thread, hanging the mount); a spill file cut short later is an error, not a hang."""
-    monkeypatch.setattr(planner, "CHUNK_ENTRIES", 4096)  # 32 KiB per chunk
-    monkeypatch.setattr(planner, "MEMORY_CHUNKS", 1)
+    monkeypatch.setattr(entries, "CHUNK_ENTRIES", 4096)  # 32 KiB per chunk
+    monkeypatch.setattr(entries, "MEMORY_CHUNKS", 1)
     disk = tmp_path / "disk"
     disk.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], check=True)
     try:
         with open(disk / "filler", "wb") as filler, contextlib.suppress(OSError):
             filler.write(bytes(256 * 1024 - 20 * 1024))  # 20 KiB left
-        store = planner.EntryStore(disk / "plans" / "1.entries")
+        store = entries.EntryStore(disk / "plans" / "1.entries")
         with pytest.raises(CachefsError, match="cannot spill"):
             for value in range(3 * 4096):
                 store.append(value)
         store.close()
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
-    store = planner.EntryStore(tmp_path / "2.entries")
+    store = entries.EntryStore(tmp_path / "2.entries")
     for value in range(3 * 4096):
         store.append(value)
     os.truncate(tmp_path / "2.entries", 4096 * 8 + 100)  # the second chunk cut short
@@ -378,9 +378,9 @@ def test_a_read_just_before_a_plan_began_still_counts_as_its_first_use(hub, data
             assert spoke.stats()["plan_unplanned_blocks"] == unplanned
 
 
-def _plan_of(tmp_path: Path, blocks: list[int]) -> planner.Plan:
+def _plan_of(tmp_path: Path, blocks: list[int]) -> plans.Plan:
     """A complete plan reading `blocks` (one use each, in this order) of one file, one byte per block."""
-    plan = planner.Plan(1, planner.EntryStore(tmp_path / "1.entries"), block_size=1)
+    plan = plans.Plan(1, entries.EntryStore(tmp_path / "1.entries"), block_size=1)
     plan.add_file(Inode(ino=2, kind=KIND_FILE, mode=0o444, mtime_ns=0, size=1 << 20, parent=1,
                         file_id=b"f" * 8, version=b"v" * 8))
     for block in blocks:
@@ -392,7 +392,7 @@ def _plan_of(tmp_path: Path, blocks: list[int]) -> planner.Plan:
 
 def test_a_held_block_its_plan_moved_past_is_judged_by_its_next_use(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(planner, "CHUNK_ENTRIES", 8)  # the window drops consumed uses early
+    monkeypatch.setattr(entries, "CHUNK_ENTRIES", 8)  # the window drops consumed uses early
     blocks = [index % 50 for index in range(200)]  # block b is used at b, b + 50, b + 100, b + 150
     plan = _plan_of(tmp_path, blocks)
     key = plan.block_key(3)
@@ -418,7 +418,7 @@ def test_the_trail_grows_to_cover_dataloader_workers_far_apart(tmp_path: Path) -
         assert plan.observe(position, reach=1000)  # matched, or recognised as late: never unplanned
         if plan.late_reads and skipped_when_grown is None:
             skipped_when_grown = plan.skipped_uses  # the first slow reader came too late: the trail grew
-    assert plan.trail > planner.MIN_TRAIL_ENTRIES and skipped_when_grown is not None
+    assert plan.trail > plans.MIN_TRAIL_ENTRIES and skipped_when_grown is not None
     assert plan.skipped_uses == skipped_when_grown < batch * workers // 2  # then no use was passed unread
     assert plan.late_reads == plan.skipped_uses  # and each one passed was read, late
     assert plan.finished.is_set()
@@ -447,8 +447,8 @@ def test_a_plan_finds_readers_that_skipped_a_stretch_it_never_saw(tmp_path: Path
     plan = _plan_of(tmp_path, list(range(5000)))
     reach = 288  # the initial lookahead (32) + MATCH_SLACK_ENTRIES
     matched = [plan.observe(position, reach) for position in range(400, 5000)]  # 0-399: the page cache served them
-    assert matched[: planner.RESYNC_READS - 1] == [False] * (planner.RESYNC_READS - 1)
-    assert all(matched[planner.RESYNC_READS - 1 :])  # found after RESYNC_READS reads, followed to the end
+    assert matched[: plans.RESYNC_READS - 1] == [False] * (plans.RESYNC_READS - 1)
+    assert all(matched[plans.RESYNC_READS - 1 :])  # found after RESYNC_READS reads, followed to the end
     assert plan.resyncs == 1 and plan.issued >= 400 and plan.finished.is_set()
 
 
@@ -465,10 +465,10 @@ def test_scattered_reads_of_planned_blocks_do_not_move_a_plan(tmp_path: Path) ->
 
 def test_entry_store_gives_back_the_disk_space_of_what_it_forgot(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(planner, "CHUNK_ENTRIES", 4096)  # 32 KiB chunks: whole file system blocks
-    monkeypatch.setattr(planner, "MEMORY_CHUNKS", 1)
+    monkeypatch.setattr(entries, "CHUNK_ENTRIES", 4096)  # 32 KiB chunks: whole file system blocks
+    monkeypatch.setattr(entries, "MEMORY_CHUNKS", 1)
     spill = tmp_path / "plans" / "1.entries"
-    store = planner.EntryStore(spill)
+    store = entries.EntryStore(spill)
     values = list(range(20 * 4096))
     for value in values:
         store.append(value)

@@ -1,4 +1,4 @@
-"""The bound on fetched bytes waiting for the cache writer (fetcher._ByteBudget)."""
+"""The bound on fetched bytes waiting for the cache writer (fetcher.ByteBudget)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import pytest
 import trio
 import trio.testing
 
-from cachefs.fetch.fetcher import _ByteBudget
+from cachefs.fetch.byte_budget import ByteBudget
 
 
 @pytest.mark.trio
 async def test_takers_wait_for_room_and_get_it_when_bytes_come_back() -> None:
-    budget = _ByteBudget(100)
+    budget = ByteBudget(100)
     await budget.take(60)
     await budget.take(40)  # exactly full
     taken: list[int] = []
@@ -33,7 +33,7 @@ async def test_takers_wait_for_room_and_get_it_when_bytes_come_back() -> None:
 
 @pytest.mark.trio
 async def test_a_taker_larger_than_the_limit_waits_until_nothing_is_taken() -> None:
-    budget = _ByteBudget(100)
+    budget = ByteBudget(100)
     await budget.take(10)
     taken = trio.Event()
 
@@ -56,7 +56,7 @@ async def test_a_taker_larger_than_the_limit_waits_until_nothing_is_taken() -> N
 async def test_fewer_waiting_is_seen_when_a_waiting_taker_gives_up() -> None:
     """The writer-backlog wait (`wait_for_fewer_waiting`) ends when a taker that waited
     is cancelled, with nothing given back: it must not rely on a later give_back."""
-    budget = _ByteBudget(100)
+    budget = ByteBudget(100)
     await budget.take(100)
     async with trio.open_nursery() as nursery:
         giving_up = trio.CancelScope()

@@ -1,6 +1,6 @@
 """Operator commands run inside the daemon: warm, pin, unpin, evict, purge, stats.
 
-They arrive over the control socket (control.py). Paths are relative to the
+They arrive over the control socket (server.py). Paths are relative to the
 mount's root, as the CLI sends them.
 """
 

@@ -5,9 +5,9 @@ the same flight, so a block is requested once. A run of contiguous blocks
 is fetched with one ranged request. Fetches retry connection failures,
 timeouts, truncated bodies and 5xx answers with exponential backoff and
 jitter until `fetch_timeout_s` has passed, then fail. Every block is
-checked against the hub's checksum of it (checksums.py; for a run of up to
-HEADER_SUMS_BLOCKS blocks, sent in the data answer's header); a mismatch
-is retried like a broken connection.
+checked against the hub's checksum of it (hub_checksums.py; for a run of up to
+HEADER_SUMS_BLOCKS blocks, sent in the data answer's header: verified.py); a
+mismatch is retried like a broken connection.
 
 Each caller has its own entry point: `fetch` (a demand miss), `read_ahead`
 and `read_ahead_files` (read-ahead), `plan_prefetch` (a loader's plan) and
@@ -31,12 +31,9 @@ import dataclasses
 import functools
 import logging
 import math
-import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from typing import Any
 
 import trio
-import xxhash
 
 from ..cache import BlockCache, BlockData, BlockKey
 from ..config import MemoryBudget
@@ -44,65 +41,17 @@ from ..errors import (
     BatchUnsupported,
     FetchAbandoned,
     HubError,
-    HubProtocolError,
-    HubStatusError,
-    HubUnavailable,
     RemoteFileChanged,
 )
-from ..metrics import FETCH_DURATION, Stats
+from ..metrics import Stats
 from ..read.claims import ReadAheadClaims
 from ..read.held import HeldBlocks, HoldNote, Owner
-from .hub_checksums import BlockChecksums
+from .byte_budget import ByteBudget
 from .hub_client import HubClient
+from .verified import FIRST_BACKOFF_S, VerifiedRequests, passing
 
 log = logging.getLogger(__name__)
 
-FIRST_BACKOFF_S = 0.1
-MAX_BACKOFF_S = 5.0
-# Runs of up to this many blocks (the hub's limit) ask for their checksums in
-# the data answer's header: the hub hashes just those blocks (and so reads
-# them into its page cache for the send) instead of a span of 64 before
-# answering a checksums request the data waits for.
-HEADER_SUMS_BLOCKS = 64
-
-
-class _ByteBudget:
-    """Bytes taken and not yet given back, at most `limit` (one taker larger than the limit
-    waits until nothing else is taken); `waiting` takers wait for room. For tasks of one
-    trio run: no locking."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._taken = 0
-        self.waiting = 0
-        self._room = trio.Event()
-
-    async def take(self, size: int) -> None:
-        self.waiting += 1
-        waited = False
-        try:
-            while self._taken and self._taken + size > self._limit:
-                waited = True
-                await self._room.wait()
-        finally:
-            self.waiting -= 1
-            if waited:  # got room or was cancelled: one fewer waits (wait_for_fewer_waiting)
-                self._wake()
-        self._taken += size
-
-    async def wait_for_fewer_waiting(self, count: int) -> None:
-        """Until fewer than `count` takers wait for room."""
-        while self.waiting >= count:
-            await self._room.wait()
-
-    def give_back(self, size: int) -> None:
-        self._taken -= size
-        self._wake()
-
-    def _wake(self) -> None:
-        """Have everyone waiting on the budget look again."""
-        self._room.set()
-        self._room = trio.Event()
 
 
 class Flight:
@@ -150,10 +99,9 @@ class Fetcher:
         fetch_timeout_s: float,
         prefetch_connections: int,
     ) -> None:
-        self._client = client
+        self._requests = VerifiedRequests(
+            client, stats, block_size=budget.block_size_bytes, fetch_timeout_s=fetch_timeout_s)
         self._block_size = budget.block_size_bytes
-        self._checksums = BlockChecksums(client, self._block_size)
-        self._sums_in_header = True  # until the hub refuses it (400): then checksum requests
         self.batches = True  # small files in batches, until the hub refuses one: then one by one
         self._cache = cache
         self._held = held
@@ -164,11 +112,10 @@ class Fetcher:
         self._flights: dict[BlockKey, Flight] = {}
         self._discarded: set[BlockKey] = set()
         self._batch_written = trio.Event()  # set (and replaced) after each committed batch
-        self.requests_in_flight = 0
         self._readahead_fetching_bytes = 0  # of read-ahead's requests, from asking until all of a run is queued to write
         self.prefetch_slots = trio.CapacityLimiter(max(1, prefetch_connections))
         self._write_batch_bytes = budget.write_batch_bytes
-        self._write_room = _ByteBudget(budget.write_queue_bytes)
+        self._write_room = ByteBudget(budget.write_queue_bytes)
         self._write_send, self._write_receive = trio.open_memory_channel[tuple[BlockKey, BlockData, bool]](math.inf)
 
     async def writer_backlog_below(self, fetches: int) -> None:
@@ -208,6 +155,11 @@ class Fetcher:
         finally:
             self._readahead_fetching_bytes -= size
 
+    @property
+    def requests_in_flight(self) -> int:
+        """Requests to the hub under way (a gauge)."""
+        return self._requests.requests_in_flight
+
     def flight(self, key: BlockKey) -> Flight | None:
         """The block's flight if it is being fetched or written."""
         return self._flights.get(key)
@@ -226,7 +178,7 @@ class Fetcher:
         if under_way is not None and not under_way.done.is_set():
             raise ValueError(f"{key} is already in flight: join it")
         flight = self._flights[key] = Flight()
-        attempt = functools.partial(self._verified_range, key, start, [length])
+        attempt = functools.partial(self._requests.range, key, start, [length])
         pieces = await self._run([key], [flight], attempt, _DEMAND, deadline=deadline)
         if pieces is None:
             assert flight.error is not None
@@ -250,7 +202,7 @@ class Fetcher:
             return self._held.use(key, trio.current_time())
         if isinstance(error, FetchAbandoned):
             return None
-        if _passing(error) and deadline - trio.current_time() >= FIRST_BACKOFF_S:
+        if passing(error) and deadline - trio.current_time() >= FIRST_BACKOFF_S:
             return None
         raise error
 
@@ -263,7 +215,7 @@ class Fetcher:
         (admission counts their coming read) and held until that read.
         """
         flights = self._new_flights(keys, claim=True)
-        attempt = functools.partial(self._verified_range, keys[0], start, list(lengths))
+        attempt = functools.partial(self._requests.range, keys[0], start, list(lengths))
         with self._readahead_fetching(lengths):
             return await self._run(list(keys), flights, attempt, _READ_AHEAD) is not None
 
@@ -273,14 +225,14 @@ class Fetcher:
         """A plan's prefetch of contiguous blocks with one request (as `read_ahead`); each block
         is held for its planned use, which its note in `notes` follows."""
         flights = self._new_flights(keys, claim=False)
-        attempt = functools.partial(self._verified_range, keys[0], start, list(lengths))
+        attempt = functools.partial(self._requests.range, keys[0], start, list(lengths))
         return await self._run(list(keys), flights, attempt, _Request(Owner.PLAN, tuple(notes))) is not None
 
     async def warm(self, keys: Sequence[BlockKey], start: int, lengths: Sequence[int]) -> bool:
         """An operator's warm-up of contiguous blocks with one request (as `read_ahead`): cached
         even where the admission policy would prefer what the cache holds, held only until written."""
         flights = self._new_flights(keys, claim=False)
-        attempt = functools.partial(self._verified_range, keys[0], start, list(lengths))
+        attempt = functools.partial(self._requests.range, keys[0], start, list(lengths))
         return await self._run(list(keys), flights, attempt, _WARM) is not None
 
     async def read_ahead_files(self, keys: Sequence[BlockKey], lengths: Sequence[int]) -> bool:
@@ -295,7 +247,9 @@ class Fetcher:
         with self._readahead_fetching(lengths):
             flights = self._new_flights(keys, claim=True)
             if self.batches:
-                attempt = functools.partial(self._verified_batch, keys, lengths, flights)
+                attempt = functools.partial(
+                    self._requests.batch, keys, lengths,
+                    lambda index, piece: self._hand_over(keys[index], flights[index], piece, _READ_AHEAD, index))
                 try:
                     pieces = await self._run(
                         list(keys), flights, attempt, _READ_AHEAD, unsettled_on=(RemoteFileChanged, BatchUnsupported)
@@ -328,7 +282,7 @@ class Fetcher:
                     if key is None:
                         return
                     flight = self._flights[key] = Flight()
-                    attempt = functools.partial(self._verified_range, key, 0, [length])
+                    attempt = functools.partial(self._requests.range, key, 0, [length])
                     if await self._run([key], [flight], attempt, _READ_AHEAD) is None:
                         failed.append(key)
 
@@ -378,7 +332,7 @@ class Fetcher:
         a caller that fetches the blocks another way.
         """
         try:
-            pieces = await self._fetch_with_retries(keys[0], attempt, deadline)
+            pieces = await self._requests.with_retries(keys[0], attempt, deadline)
         except unsettled_on:
             raise
         except HubError as exc:
@@ -464,136 +418,3 @@ class Fetcher:
                     self._write_room.give_back(batch_bytes)
                     self._batch_written.set()
                     self._batch_written = trio.Event()
-
-    async def _verified_range(self, key: BlockKey, start: int, lengths: list[int]) -> list[bytearray]:
-        """One attempt: the data, checked against the hub's checksums of it.
-
-        The checksums come from memory, or in the data answer's header (a
-        hub that sent them only for some of the blocks, as a cache answering
-        from slices may, is asked for the rest), or from a checksum request
-        side by side with the data (a hub that refuses them in the header).
-        """
-        count = len(lengths)
-        expected = self._checksums.known(key, count)
-        if expected is not None:
-            pieces, _ = await self._client.get_range(key.file_id.hex(), key.version.hex(), start, lengths)
-        elif count <= HEADER_SUMS_BLOCKS and self._sums_in_header:
-            try:
-                pieces, sums = await self._client.get_range(
-                    key.file_id.hex(), key.version.hex(), start, lengths, sums_block_size=self._block_size
-                )
-            except HubStatusError as exc:
-                if exc.status != 400:
-                    raise
-                log.warning("the hub does not send checksums with data (an older hub?): asking for them apart")
-                self._sums_in_header = False
-                pieces, expected = await self._data_and_sums(key, start, lengths)
-            else:
-                self._checksums.remember(key, sums)
-                expected = self._checksums.known(key, count) or await self._checksums.expected(key, count)
-        else:
-            pieces, expected = await self._data_and_sums(key, start, lengths)
-        offset = self._first_mismatch(pieces, expected)
-        if offset is not None:
-            self._checksums.forget(key, count)
-            raise HubProtocolError(f"block {key.blockno + offset} of file {key.file_id.hex()} failed its checksum")
-        return pieces
-
-    async def _verified_batch(
-        self, keys: Sequence[BlockKey], lengths: Sequence[int], flights: Sequence[Flight]
-    ) -> list[bytearray]:
-        """One attempt at a batch of whole small files, each checked against the hub's checksum
-        and handed to its waiters as soon as it has arrived (not after the whole batch)."""
-
-        def arrived(index: int, piece: bytearray, checksum: int) -> None:
-            if self._first_mismatch([piece], [checksum]) is not None:
-                raise HubProtocolError(f"file {keys[index].file_id.hex()} of a batch failed its checksum")
-            self._hand_over(keys[index], flights[index], piece, _READ_AHEAD, index)
-
-        files = [(key.file_id.hex(), key.version.hex()) for key in keys]
-        return await self._client.get_batch(files, lengths, self._block_size, arrived)
-
-    def _first_mismatch(self, pieces: list[bytearray], expected: Sequence[int]) -> int | None:
-        """The index of the first piece whose xxh3 is not the hub's (counted as an integrity failure), or None."""
-        for index, (piece, checksum) in enumerate(zip(pieces, expected, strict=True)):
-            if xxhash.xxh3_64_intdigest(piece) != checksum:
-                self._stats.integrity_failures += 1
-                return index
-        return None
-
-    async def _data_and_sums(self, key: BlockKey, start: int, lengths: list[int]) -> tuple[list[bytearray], list[int]]:
-        """The data request and the checksum request, side by side (no extra round trip)."""
-        results: dict[str, Any] = {}
-
-        async def get(name: str, request: Callable[[], Awaitable[Any]]) -> None:
-            try:
-                results[name] = await request()
-            except HubError as exc:
-                results.setdefault("error", exc)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(get, "sums", lambda: self._checksums.expected(key, len(lengths)))
-            nursery.start_soon(
-                get, "pieces", lambda: self._client.get_range(key.file_id.hex(), key.version.hex(), start, lengths)
-            )
-        if "error" in results:
-            raise results["error"]
-        return results["pieces"][0], results["sums"]
-
-    async def _fetch_with_retries(
-        self, key: BlockKey, attempt_once: Callable[[], Awaitable[list[bytearray]]], deadline: float | None = None
-    ) -> list[bytearray]:
-        """`attempt_once()` until it succeeds or `deadline` (by default `fetch_timeout_s` from
-        now) has passed (`key` names it in logs)."""
-        if deadline is None:
-            deadline = self.deadline()
-        backoff_s = FIRST_BACKOFF_S
-        attempt = 0
-        while True:
-            attempt += 1
-            started = trio.current_time()
-            self.requests_in_flight += 1
-            try:
-                with trio.fail_after(max(0.0, deadline - trio.current_time())):
-                    pieces = await attempt_once()
-                self._stats.fetches += 1
-                self._stats.fetched_bytes += sum(len(piece) for piece in pieces)
-                FETCH_DURATION.observe(trio.current_time() - started)
-                return pieces
-            except trio.TooSlowError:
-                self._stats.hub_errors["timeout"] += 1
-                error: HubError = HubUnavailable(f"hub did not deliver {key} within {self._fetch_timeout_s:g} s")
-            except HubUnavailable as exc:
-                self._stats.hub_errors["connection"] += 1
-                error = exc
-            except HubProtocolError as exc:
-                self._stats.hub_errors["protocol"] += 1
-                error = exc
-            except RemoteFileChanged:
-                self._stats.hub_errors["changed"] += 1
-                self._stats.fetch_failures += 1
-                raise
-            except HubStatusError as exc:
-                self._stats.hub_errors[f"http_{exc.status // 100}xx"] += 1
-                if not exc.retryable:
-                    self._stats.fetch_failures += 1
-                    raise
-                error = exc
-            finally:
-                self.requests_in_flight -= 1
-            pause_s = random.uniform(0, backoff_s)  # full jitter
-            if trio.current_time() + pause_s >= deadline:
-                log.warning("giving up on %s after %d attempts: %s", key, attempt, error)
-                self._stats.fetch_failures += 1
-                raise error
-            log.info("fetching %s failed (%s); retry %d in %.2f s", key, error, attempt, pause_s)
-            self._stats.fetch_retries += 1
-            await trio.sleep(pause_s)
-            backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
-
-
-def _passing(error: HubError) -> bool:
-    """Whether a failure may be gone on a later try (the ones fetches retry)."""
-    if isinstance(error, HubStatusError):
-        return error.retryable
-    return isinstance(error, (HubUnavailable, HubProtocolError))

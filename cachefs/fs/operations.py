@@ -23,7 +23,7 @@ import pyfuse3
 from ..errors import HubError, OpenInAnotherVersion, RemoteFileChanged
 from ..metrics import READ_DURATION, Stats
 from ..namespace.tree import KIND_DIR, KIND_FILE, Inode, Namespace
-from ..prefetch.readahead import OpenFiles
+from ..read.handles import OpenFiles
 from ..read.reader import Reader
 from .passthrough import Passthrough
 

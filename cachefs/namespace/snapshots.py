@@ -205,7 +205,7 @@ class Snapshots:
         """Load the downloaded manifest into the namespace (one transaction: all or nothing).
 
         A large manifest is loaded in a child process, so that the memory the
-        load takes leaves with it (namespace_loader.py); a small one, here in a
+        load takes leaves with it (namespace/loader.py); a small one, here in a
         thread (a child costs ~0.2-0.4 s to start). The downloaded manifest is
         removed once loaded, or when the load fails or is cancelled.
         """

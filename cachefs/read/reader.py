@@ -17,9 +17,11 @@ from ..cache.policy import FrequencySketch
 from ..errors import HubError, RemoteFileChanged
 from ..metrics import Stats
 from ..namespace.tree import Inode
-from ..prefetch.readahead import SEQUENTIAL_THRESHOLD, OpenFile, ReadAhead
+from ..prefetch.readahead import ReadAhead
+from ..prefetch.streams import SEQUENTIAL_THRESHOLD
 from .blocks import BlockSource
 from .claims import ReadAheadClaims
+from .handles import OpenFile
 
 log = logging.getLogger(__name__)
 

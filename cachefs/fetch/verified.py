@@ -1,0 +1,173 @@
+"""Requests to the hub for block data, each checked against the hub's checksums and retried with backoff until a deadline."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import trio
+import xxhash
+
+from ..cache import BlockKey
+from ..errors import HubError, HubProtocolError, HubStatusError, HubUnavailable, RemoteFileChanged
+from ..metrics import FETCH_DURATION, Stats
+from .hub_checksums import BlockChecksums
+from .hub_client import HubClient
+
+log = logging.getLogger(__name__)
+
+FIRST_BACKOFF_S = 0.1
+MAX_BACKOFF_S = 5.0
+# Runs of up to this many blocks (the hub's limit) ask for their checksums in
+# the data answer's header: the hub hashes just those blocks (and so reads
+# them into its page cache for the send) instead of a span of 64 before
+# answering a checksums request the data waits for.
+HEADER_SUMS_BLOCKS = 64
+
+
+class VerifiedRequests:
+    """Ranged and batch requests whose every block is checked; failures retried until a deadline."""
+
+    def __init__(self, client: HubClient, stats: Stats, *, block_size: int, fetch_timeout_s: float) -> None:
+        self._client = client
+        self._stats = stats
+        self._block_size = block_size
+        self._fetch_timeout_s = fetch_timeout_s
+        self._checksums = BlockChecksums(client, block_size)
+        self._sums_in_header = True  # until the hub refuses it (400): then checksum requests
+        self.requests_in_flight = 0
+
+    async def range(self, key: BlockKey, start: int, lengths: list[int]) -> list[bytearray]:
+        """One attempt: the data, checked against the hub's checksums of it.
+
+        The checksums come from memory, or in the data answer's header (a
+        hub that sent them only for some of the blocks, as a cache answering
+        from slices may, is asked for the rest), or from a checksum request
+        side by side with the data (a hub that refuses them in the header).
+        """
+        count = len(lengths)
+        expected = self._checksums.known(key, count)
+        if expected is not None:
+            pieces, _ = await self._client.get_range(key.file_id.hex(), key.version.hex(), start, lengths)
+        elif count <= HEADER_SUMS_BLOCKS and self._sums_in_header:
+            try:
+                pieces, sums = await self._client.get_range(
+                    key.file_id.hex(), key.version.hex(), start, lengths, sums_block_size=self._block_size
+                )
+            except HubStatusError as exc:
+                if exc.status != 400:
+                    raise
+                log.warning("the hub does not send checksums with data (an older hub?): asking for them apart")
+                self._sums_in_header = False
+                pieces, expected = await self._data_and_sums(key, start, lengths)
+            else:
+                self._checksums.remember(key, sums)
+                expected = self._checksums.known(key, count) or await self._checksums.expected(key, count)
+        else:
+            pieces, expected = await self._data_and_sums(key, start, lengths)
+        offset = self._first_mismatch(pieces, expected)
+        if offset is not None:
+            self._checksums.forget(key, count)
+            raise HubProtocolError(f"block {key.blockno + offset} of file {key.file_id.hex()} failed its checksum")
+        return pieces
+
+    async def batch(
+        self, keys: Sequence[BlockKey], lengths: Sequence[int], verified: Callable[[int, bytearray], None]
+    ) -> list[bytearray]:
+        """One attempt at a batch of whole small files, each checked against the hub's checksum
+        and passed to `verified` (with its index) as soon as it has arrived."""
+
+        def arrived(index: int, piece: bytearray, checksum: int) -> None:
+            if self._first_mismatch([piece], [checksum]) is not None:
+                raise HubProtocolError(f"file {keys[index].file_id.hex()} of a batch failed its checksum")
+            verified(index, piece)
+
+        files = [(key.file_id.hex(), key.version.hex()) for key in keys]
+        return await self._client.get_batch(files, lengths, self._block_size, arrived)
+
+    def _first_mismatch(self, pieces: list[bytearray], expected: Sequence[int]) -> int | None:
+        """The index of the first piece whose xxh3 is not the hub's (counted as an integrity failure), or None."""
+        for index, (piece, checksum) in enumerate(zip(pieces, expected, strict=True)):
+            if xxhash.xxh3_64_intdigest(piece) != checksum:
+                self._stats.integrity_failures += 1
+                return index
+        return None
+
+    async def _data_and_sums(self, key: BlockKey, start: int, lengths: list[int]) -> tuple[list[bytearray], list[int]]:
+        """The data request and the checksum request, side by side (no extra round trip)."""
+        results: dict[str, Any] = {}
+
+        async def get(name: str, request: Callable[[], Awaitable[Any]]) -> None:
+            try:
+                results[name] = await request()
+            except HubError as exc:
+                results.setdefault("error", exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(get, "sums", lambda: self._checksums.expected(key, len(lengths)))
+            nursery.start_soon(
+                get, "pieces", lambda: self._client.get_range(key.file_id.hex(), key.version.hex(), start, lengths)
+            )
+        if "error" in results:
+            raise results["error"]
+        return results["pieces"][0], results["sums"]
+
+    async def with_retries(
+        self, key: BlockKey, attempt_once: Callable[[], Awaitable[list[bytearray]]], deadline: float | None = None
+    ) -> list[bytearray]:
+        """`attempt_once()` until it succeeds or `deadline` (by default `fetch_timeout_s` from
+        now) has passed (`key` names it in logs)."""
+        if deadline is None:
+            deadline = trio.current_time() + self._fetch_timeout_s
+        backoff_s = FIRST_BACKOFF_S
+        attempt = 0
+        while True:
+            attempt += 1
+            started = trio.current_time()
+            self.requests_in_flight += 1
+            try:
+                with trio.fail_after(max(0.0, deadline - trio.current_time())):
+                    pieces = await attempt_once()
+                self._stats.fetches += 1
+                self._stats.fetched_bytes += sum(len(piece) for piece in pieces)
+                FETCH_DURATION.observe(trio.current_time() - started)
+                return pieces
+            except trio.TooSlowError:
+                self._stats.hub_errors["timeout"] += 1
+                error: HubError = HubUnavailable(f"hub did not deliver {key} within {self._fetch_timeout_s:g} s")
+            except HubUnavailable as exc:
+                self._stats.hub_errors["connection"] += 1
+                error = exc
+            except HubProtocolError as exc:
+                self._stats.hub_errors["protocol"] += 1
+                error = exc
+            except RemoteFileChanged:
+                self._stats.hub_errors["changed"] += 1
+                self._stats.fetch_failures += 1
+                raise
+            except HubStatusError as exc:
+                self._stats.hub_errors[f"http_{exc.status // 100}xx"] += 1
+                if not exc.retryable:
+                    self._stats.fetch_failures += 1
+                    raise
+                error = exc
+            finally:
+                self.requests_in_flight -= 1
+            pause_s = random.uniform(0, backoff_s)  # full jitter
+            if trio.current_time() + pause_s >= deadline:
+                log.warning("giving up on %s after %d attempts: %s", key, attempt, error)
+                self._stats.fetch_failures += 1
+                raise error
+            log.info("fetching %s failed (%s); retry %d in %.2f s", key, error, attempt, pause_s)
+            self._stats.fetch_retries += 1
+            await trio.sleep(pause_s)
+            backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
+
+
+def passing(error: HubError) -> bool:
+    """Whether a failure may be gone on a later try (the ones fetches retry)."""
+    if isinstance(error, HubStatusError):
+        return error.retryable
+    return isinstance(error, (HubUnavailable, HubProtocolError))
