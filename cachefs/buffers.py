@@ -5,9 +5,8 @@ from __future__ import annotations
 import ctypes
 
 # The C API's constructor with no source leaves the bytes as malloc gave them;
-# `bytearray(n)` memsets them first: 9 % of the daemon's CPU on a warm
-# sequential read (a cached block read from the page cache), ~4 % on a cold
-# one (a block received from the hub), before the read overwrites every byte.
+# `bytearray(n)` zeroes them first, a visible share of the daemon's CPU
+# (docs/performance.md) spent on bytes the read then overwrites.
 _from_string_and_size = ctypes.pythonapi.PyByteArray_FromStringAndSize
 _from_string_and_size.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
 _from_string_and_size.restype = ctypes.py_object

@@ -119,9 +119,8 @@ class MountConfig:
     # trip and connection, small enough that a random 16 KiB sample fetches
     # little waste. See README "Block size" for the measurement.
     block_size_bytes: int = 1 * MiB
-    # Concurrent HTTP connections to the hub. HTTP/1.1 carries one request at
-    # a time per connection, and each fetch has a checksum request beside it:
-    # at 60 ms RTT, 600 small files cold went from 7.2 s with 16 to 5.2 s with 64.
+    # Concurrent HTTP connections to the hub: HTTP/1.1 carries one request at a
+    # time per connection, so many small files need many (docs/performance.md).
     max_connections: int = 64
     # A read that needs the hub fails with EIO after this long without
     # success (retries with backoff included): bounded, never a hang.
@@ -145,7 +144,7 @@ class MountConfig:
     sibling_prefetch_files: int = 128
     # Freshly used blocks kept in daemon memory, so the kernel's smaller
     # read requests into one block cost one disk read, not several (8: one
-    # each for 8 readers; 16 cost ~8 MB of peak RSS and no speed).
+    # each for 8 readers; more cost memory and gained nothing).
     memory_blocks: int = 8
     # Seconds the kernel may cache names and attributes: a mount shows one
     # immutable snapshot, so these can be long.
@@ -153,9 +152,8 @@ class MountConfig:
     # Raised kernel readahead for the mount (KiB): big FUSE read requests.
     kernel_readahead_kb: int = 4096
     # FUSE requests the kernel keeps in flight in the background (its
-    # readahead), 12 by default: four warm sequential readers got 930-1,115
-    # MB/s with 64 against 790-907 with 12, as much with 32; a cold read
-    # holds ~16 MiB more of demand fetches with 32 (more with 64).
+    # readahead), 12 by default: 32 is as fast as 64 for several warm readers
+    # and holds fewer demand fetches in memory (docs/performance.md).
     fuse_max_background: int = 32
     # Let the kernel read whole, verified cached files straight from the
     # cache's data files (FUSE passthrough; Linux >= 6.9, root, the pyfuse3

@@ -38,12 +38,14 @@ from .fs.passthrough import Passthrough
 from .metrics import Stats, cache_gauges, serve_metrics, training_gauges
 from .namespace.snapshots import Snapshots
 from .namespace.tree import Changes, Namespace
-from .prefetch.readahead import OpenFiles, ReadAhead
+from .prefetch.readahead import ReadAhead
 from .read.blocks import BlockSource
 from .read.claims import ReadAheadClaims
+from .read.handles import OpenFiles
 from .read.held import HeldBlocks
 from .read.reader import Reader
-from .training.planner import ActivePlans, Planner
+from .training.advice import ActivePlans
+from .training.planner import Planner
 
 log = logging.getLogger(__name__)
 
@@ -89,21 +91,11 @@ def tune_malloc() -> None:
     """Keep 1 MiB block buffers on the heap instead of fresh mmaps, in one arena.
 
     By default glibc serves each large allocation with mmap and returns it on
-    free, so every block buffer costs 256 page faults per MiB: measured, this
-    halves the HTTP client's throughput (305 -> 930 MiB/s on loopback).
-
-    And every thread allocates from the main arena, not one of up to 8 per
-    core: the worker threads' arenas each kept their own free block buffers.
-    Cold `cachefs bench --workloads seq1,seq4,small` from a hub on loopback
-    (2 rounds): peak RSS 162-179 MB against 202-213, the same speed; warm
-    seq1 / seq4 1,467-1,507 / 1,789-1,925 MB/s against 1,468-1,491 /
-    1,916-1,979, peak 75-82 MB against 90-95.
-
-    Free memory at the top of the heap goes back to the system above 4 MiB,
-    not 32: four cold sequential readers at 60 ms, peak RSS 163-173 MB
-    against 174-187, and from an emulator without delay 162-169 against
-    164-171; the same speed warm (one reader 830 against 840 MB/s median of
-    5, four 963 against 831) and cold.
+    free, so every block buffer would cost 256 page faults per MiB. Every
+    thread allocates from the main arena, because the worker threads' own
+    arenas each kept free block buffers; and free memory at the top of the
+    heap goes back to the system above 4 MiB. docs/performance.md has what
+    each of the three saves.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -34,11 +34,10 @@ _STALE_CHECKED_FOR = "stale_checked_for"  # meta: see BlockCache.stale_checked_f
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 
 
-# Cached blocks are verified in chunks: a small random read reads and checks
-# 16 KiB, not the whole block (a 4 KiB read of a 1 MiB block whose page cache
-# was dropped: ~0.1 ms instead of ~1.5 ms). 16 rather than 64 KiB: random
-# 4 KiB reads through the mount p50 0.23-0.30 vs 0.33-0.41 ms here, the same
-# CPU for a sequential read; 512 bytes of sums per 1 MiB block in the index.
+# Cached blocks are verified in chunks, so a small random read reads and checks
+# 16 KiB, not the whole block; smaller chunks made random reads faster at the
+# same CPU for sequential ones (docs/performance.md), at 512 bytes of sums per
+# 1 MiB block in the index.
 CHUNK_BYTES = 16 << 10
 # Bump when the index entry layout changes: an older index is dropped at mount.
 INDEX_FORMAT = "3"
@@ -82,7 +81,7 @@ class BlockCache:
     sketch has seen it more often than the oldest unpinned block (TinyLFU,
     see policy.py); otherwise it is served without being cached. While a
     loader's plan is active, `advisor` (the active plans) decides instead:
-    the block whose next planned use is furthest away goes (plan_admission.py).
+    the block whose next planned use is furthest away goes (plan_eviction.py).
     """
 
     def __init__(

@@ -2,17 +2,14 @@
 
 Block N of a file lives at offset N x block size of its data file, so a
 sequential read of a cached file is a sequential read of one local file and
-gets the kernel's readahead: measured here, 1.2 GB/s from a cold page cache
-against 0.5 GB/s with one small file per block. Evicting a block punches a
+gets the kernel's readahead (docs/performance.md). Evicting a block punches a
 hole (fallocate), which returns its disk space at once.
 
 Whole blocks are written with O_DIRECT, copied through one page-aligned
 buffer. Written through the page cache, a fetched block was held twice in
 memory (it is in the FUSE file's page cache already), cost a page
-allocation and a copy per 4 KiB (on this VM a fresh page costs the host a
-fault), and left dirty pages whose writeback landed on later index commits.
-Measured on a cold read of 1 GiB at 60 ms uncapped: 367-387 MB/s and 1.5-1.7
-daemon CPU-s/GB against 200-234 MB/s and 3.6-4.4 CPU-s/GB. A file's short
+allocation and a copy per 4 KiB, and left dirty pages whose writeback
+landed on later index commits (docs/performance.md has the cost). A file's short
 last block (every small file) still goes through the page cache: O_DIRECT
 needs aligned lengths, and padding would change the data file's size, which
 passthrough hands to the kernel. A file system that refuses O_DIRECT

@@ -1,9 +1,9 @@
 """HTTP/1.1 to the hub on trio: h11 over trio TCP streams, persistent connections.
 
 h11 (the sans-IO HTTP/1.1 state machine behind httpx) is used instead of a
-full client: measured on loopback it moves ~1.3 GB/s with 1 MiB receives,
-about three times httpx on trio, and it leaves connection pooling and
-timeouts in our hands.
+full client: it is several times faster than httpx on trio
+(docs/performance.md), and it leaves connection pooling and timeouts in our
+hands.
 """
 
 from __future__ import annotations
