@@ -47,7 +47,7 @@ from ..metrics import Stats
 from ..read.claims import ReadAheadClaims
 from ..read.held import HeldBlocks, HoldNote, Owner
 from .byte_budget import ByteBudget
-from .hub_client import HubClient
+from .hub import BlockHub
 from .verified import FIRST_BACKOFF_S, VerifiedRequests, passing
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class Fetcher:
 
     def __init__(
         self,
-        client: HubClient,
+        client: BlockHub,
         cache: BlockCache,
         held: HeldBlocks,
         claims: ReadAheadClaims,

@@ -17,7 +17,7 @@ import trio
 
 from ..cache import BlockKey
 from ..errors import HubProtocolError
-from .hub_client import HubClient
+from .hub import BlockHub
 
 # Checksums are asked for 64 blocks at a time (512 bytes of answer): one
 # request per 64 MiB of a sequential read.
@@ -29,7 +29,7 @@ REMEMBERED = 16384
 class BlockChecksums:
     """The hub's checksum of each block, fetched on demand."""
 
-    def __init__(self, client: HubClient, block_size: int) -> None:
+    def __init__(self, client: BlockHub, block_size: int) -> None:
         self._client = client
         self._block_size = block_size
         self._known: collections.OrderedDict[tuple[bytes, bytes, int], int] = collections.OrderedDict()

@@ -13,8 +13,8 @@ import xxhash
 from ..cache import BlockKey
 from ..errors import HubError, HubProtocolError, HubStatusError, HubUnavailable, RemoteFileChanged
 from ..metrics import FETCH_DURATION, Stats
+from .hub import BlockHub
 from .hub_checksums import BlockChecksums
-from .hub_client import HubClient
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ HEADER_SUMS_BLOCKS = 64
 class VerifiedRequests:
     """Ranged and batch requests whose every block is checked; failures retried until a deadline."""
 
-    def __init__(self, client: HubClient, stats: Stats, *, block_size: int, fetch_timeout_s: float) -> None:
+    def __init__(self, client: BlockHub, stats: Stats, *, block_size: int, fetch_timeout_s: float) -> None:
         self._client = client
         self._stats = stats
         self._block_size = block_size

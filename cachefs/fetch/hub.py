@@ -1,0 +1,31 @@
+"""`BlockHub`: what the fetch layer asks of the hub, so a test can give it a fake in place of HubClient."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+
+class BlockHub(Protocol):
+    """Block data and checksums of file versions (fetch/hub_client.HubClient over HTTP); raises HubError."""
+
+    async def get_range(
+        self, file_id: str, version: str, start: int, lengths: Sequence[int], *, sums_block_size: int | None = None
+    ) -> tuple[list[bytearray], dict[int, int]]:
+        """Consecutive pieces of `lengths` bytes from `start`; with `sums_block_size`, the xxh3-64 of
+        each block the hub sent in the answer's header (block number -> checksum)."""
+        ...
+
+    async def get_batch(
+        self,
+        files: Sequence[tuple[str, str]],
+        lengths: Sequence[int],
+        block_size: int,
+        on_file: Callable[[int, bytearray, int], None],
+    ) -> list[bytearray]:
+        """Whole small files (id, version) in one request; `on_file(index, bytes, checksum)` as each arrives."""
+        ...
+
+    async def get_checksums(self, file_id: str, version: str, block_size: int, first: int, count: int) -> list[int]:
+        """xxh3-64 of blocks [first, first + count) of one file version."""
+        ...
