@@ -1,4 +1,4 @@
-"""Split a file read into blocks, tell read-ahead and the plans about it, and get each block from the BlockSource.
+"""Serve a file read: split it into blocks and get each from the BlockSource, once read-ahead and the plans have seen it.
 
 This is the data path below FUSE: `read` -> `_block` -> BlockSource.get
 (held in memory | flight | disk cache | hub). Small random reads of a
