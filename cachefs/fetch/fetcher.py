@@ -53,7 +53,6 @@ from .verified import FIRST_BACKOFF_S, VerifiedRequests, passing
 log = logging.getLogger(__name__)
 
 
-
 class Flight:
     """One block being fetched (and then written); waiters use `done`, then find its bytes held."""
 
@@ -101,7 +100,6 @@ class Fetcher:
     ) -> None:
         self._requests = VerifiedRequests(
             client, stats, block_size=budget.block_size_bytes, fetch_timeout_s=fetch_timeout_s)
-        self._block_size = budget.block_size_bytes
         self.batches = True  # small files in batches, until the hub refuses one: then one by one
         self._cache = cache
         self._held = held
