@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from cachefs import __version__
 from cachefs.config_file import ConfigFileError, with_config_file
 from hubserver.config import (
     DEFAULT_HEADER_TIMEOUT_S,
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Serve one dataset directory, read-only, to cachefs spokes over HTTP.",
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     serve = commands.add_parser(
         "serve",
@@ -332,6 +334,14 @@ def _load_credentials(config: HubConfig) -> tuple[HubAuth, ssl.SSLContext | None
         raise UserError(str(exc)) from None
 
 
+def _check_installed() -> None:
+    """The hub's own dependency, missing from an install without the `hub` extra; raises UserError."""
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        raise UserError("aiohttp is not installed: install the hub with `pip install 'cachefs[hub]'`") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``cachefs-hub``; returns the exit code."""
     parser = build_parser()
@@ -341,6 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILURE
     try:
+        _check_installed()
         root = check_root(args.root)
         _check_options_together(args)
         host, port = args.listen
