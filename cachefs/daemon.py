@@ -13,7 +13,6 @@ import fcntl
 import logging
 import os
 import signal
-import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -40,6 +39,7 @@ from .passthrough import Passthrough
 from .planner import Planner
 from .readahead import ReadAhead
 from .reader import Reader
+from .sd_notify import sd_notify
 from .snapshots import Snapshots
 
 log = logging.getLogger(__name__)
@@ -66,20 +66,6 @@ class CacheDirLock:
 
     def release(self) -> None:
         os.close(self._fd)
-
-
-def sd_notify(message: str) -> None:
-    """Tell systemd (Type=notify units) about readiness; a no-op outside systemd."""
-    address = os.environ.get("NOTIFY_SOCKET")
-    if not address:
-        return
-    if address.startswith("@"):
-        address = "\0" + address[1:]  # abstract namespace
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-            sock.sendto(message.encode(), address)
-    except OSError as exc:
-        log.warning("cannot notify systemd at %s: %s", address, exc)
 
 
 def tune_malloc() -> None:

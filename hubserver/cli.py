@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from cachefs import __version__
 from cachefs.config_file import ConfigFileError, with_config_file
+from cachefs.sd_notify import sd_notify
 from hubserver.config import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,
@@ -310,8 +311,10 @@ async def serve(config: HubConfig, auth: HubAuth, ssl_context: ssl.SSLContext | 
         host, port = sock.getsockname()[:2]
         scheme = "https" if ssl_context is not None else "http"
         print(f"{PROG} listening on {scheme}://{_format_host(host)}:{port}", flush=True)
+        sd_notify("READY=1")  # systemd's Type=notify: units ordered after the hub find it serving
         signum = await _wait_for_stop_signal()
         LOG.info("received %s, shutting down", signum.name)
+        sd_notify("STOPPING=1")
     finally:
         loop.remove_signal_handler(signal.SIGHUP)
         loop.remove_signal_handler(signal.SIGUSR1)
