@@ -37,6 +37,7 @@ from .mountpoints import lazy_unmount, network_file_system, prepare_mountpoint
 log = logging.getLogger("cachefs")
 
 LOG_FILE = "cachefs.log"
+EXIT_USAGE = 2  # argparse's exit code for a bad command line
 TOKEN_ENV = "CACHEFS_HUB_TOKEN"
 
 
@@ -141,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(with_config_file(argv, parser, "mount"))
     except ConfigFileError as exc:
         print(f"cachefs: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     try:
         if args.command == "mount":
             return _mount(args, argv)
@@ -150,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cli_admin.run(args)
     except CachefsError as exc:
         print(f"cachefs: error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE if isinstance(exc, InvalidOptionValue) else 1
     except KeyboardInterrupt:
         print("cachefs: interrupted", file=sys.stderr)
         return 130
@@ -240,8 +241,16 @@ def _prepare_cache_dir(path: Path) -> None:
         )
 
 
+class InvalidOptionValue(UsageError):
+    """An option value `cachefs mount` refuses: exit code 2, like argparse's own errors,
+    which mount.cachefs reports to mount(8) as incorrect invocation."""
+
+
 def _mount(args: argparse.Namespace, argv: list[str]) -> int:
-    config = _config_from_args(args)
+    try:
+        config = _config_from_args(args)
+    except UsageError as exc:
+        raise InvalidOptionValue(str(exc)) from None
     if args.ready_fd is None:
         _check_fuse_installed()
         _setup_logging(config.debug, None)
