@@ -40,6 +40,7 @@ MOUNT_HELPER = DEPLOY / "mount.cachefs"
 PROMETHEUS = DEPLOY / "prometheus"
 DASHBOARD = DEPLOY / "grafana" / "cachefs-dashboard.json"
 KUBERNETES = DEPLOY / "kubernetes"
+CONTAINERFILE = DEPLOY / "Containerfile"
 TOOL_TIMEOUT_S = 60
 
 # The spoke metrics the alerts and the dashboard are built on: a live spoke
@@ -686,6 +687,28 @@ def test_kubernetes_manifests_fit_together() -> None:
     assert "--cache-dir /cache" in " ".join(spoke_container["args"])
     assert spoke_container["lifecycle"]["preStop"]["exec"]["command"] == ["cachefs", "unmount", mountpoint]
     assert spoke_container["livenessProbe"]["exec"]["command"][:3] == ["cachefs", "stats", mountpoint]
+
+
+def test_kubernetes_settings_for_production() -> None:
+    """The spoke keeps the tuned defaults, is scheduled before the training pods, and never
+    creates its cache dir (an unmounted NVMe would fill the root disk); the one hub replica
+    is replaced, not rolled, on a volume that may be ReadWriteOnce."""
+    objects = kubernetes_objects()
+    spoke = find(objects, "DaemonSet", "cachefs-spoke")["spec"]["template"]["spec"]
+    (container,) = spoke["containers"]
+    command = " ".join(container["args"]) + " " + " ".join(find(objects, "ConfigMap", "cachefs-config")["data"].values())
+    for tuned in ("--max-connections", "--readahead-blocks", "--block-size", "--fetch-timeout", "--prefetch-siblings"):
+        assert tuned not in command, f"{tuned} overrides the tuned default"
+    assert spoke["priorityClassName"] == "system-node-critical"
+    cache_volume = next(m["name"] for m in container["volumeMounts"] if m["mountPath"] == "/cache")
+    assert next(v for v in spoke["volumes"] if v["name"] == cache_volume)["hostPath"]["type"] == "Directory"
+    hub = find(objects, "Deployment", "cachefs-hub")
+    assert hub["spec"]["replicas"] == 1 and hub["spec"]["strategy"] == {"type": "Recreate"}
+    # The images are the Containerfile's targets.
+    targets = set(re.findall(r"^FROM \S+ AS (\S+)$", CONTAINERFILE.read_text(), re.MULTILINE))
+    (hub_container,) = hub["spec"]["template"]["spec"]["containers"]
+    for image, target in [(container["image"], "spoke"), (hub_container["image"], "hub")]:
+        assert image.rsplit("/", 1)[1].split(":")[0] == f"cachefs-{target}" and target in targets, image
 
 
 def test_kubernetes_scrape_job_uses_the_alert_job_names() -> None:
