@@ -7,8 +7,8 @@ BIN    := $(VENV)/bin
 # What a spoke builds pyfuse3 with, and the demo runs: FUSE, a compiler, venv.
 DEMO_PACKAGES := fuse3 libfuse3-dev pkg-config build-essential python3-venv python3-dev
 # The tests' tools besides: the passthrough build (patch), the bench's link probe (curl),
-# the regional cache tier (nginx), promtool (prometheus), the walkthrough's TLS files (openssl).
-TEST_PACKAGES := $(DEMO_PACKAGES) patch curl nginx prometheus openssl
+# the regional cache tier (nginx), promtool (prometheus), the walkthrough's TLS files and loopback (openssl, iproute2).
+TEST_PACKAGES := $(DEMO_PACKAGES) patch curl nginx prometheus openssl iproute2
 STAMP      := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.test-installed
 
