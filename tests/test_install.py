@@ -81,6 +81,12 @@ def test_the_hub_installs_and_serves_without_fuse(installed_hub: tuple[Path, str
     assert version.stdout.startswith("cachefs-hub ")
     with urllib.request.urlopen(url + "/healthz", timeout=30) as answer:
         assert answer.status == 200
+    # The spoke's command is there too, and says what it lacks.
+    (prefix / "mnt").mkdir()
+    mount = subprocess.run([prefix / "bin" / "cachefs", "mount", url, prefix / "mnt", "--cache-dir", prefix / "cache"],
+                           capture_output=True, text=True, timeout=60, env=offline_env(), check=False)
+    assert mount.returncode == 1
+    assert mount.stderr == "cachefs: error: pyfuse3 is not installed: install the spoke with `pip install 'cachefs[spoke]'`\n"
 
 
 def test_the_spoke_installs_with_stock_pyfuse3_and_mounts(hub: HubProcess, dataset: Path, tmp_path: Path) -> None:
@@ -89,6 +95,10 @@ def test_the_spoke_installs_with_stock_pyfuse3_and_mounts(hub: HubProcess, datas
     pyfuse3 = installed_module(prefix, "pyfuse3")
     assert pyfuse3 is not None and pyfuse3.startswith(str(prefix))
     assert installed_module(prefix, "aiohttp") is None  # the hub's dependency stays out of a spoke
+    hub = subprocess.run([prefix / "bin" / "cachefs-hub", "serve", "--root", dataset], capture_output=True, text=True,
+                         timeout=60, env=offline_env(), check=False)
+    assert hub.returncode == 1
+    assert hub.stderr == "cachefs-hub: error: aiohttp is not installed: install the hub with `pip install 'cachefs[hub]'`\n"
     mountpoint, cache_dir = tmp_path / "mnt", tmp_path / "cache"
     mountpoint.mkdir()
     cachefs = str(bin_dir / "cachefs")
