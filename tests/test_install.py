@@ -95,10 +95,10 @@ def test_the_spoke_installs_with_stock_pyfuse3_and_mounts(hub: HubProcess, datas
     pyfuse3 = installed_module(prefix, "pyfuse3")
     assert pyfuse3 is not None and pyfuse3.startswith(str(prefix))
     assert installed_module(prefix, "aiohttp") is None  # the hub's dependency stays out of a spoke
-    hub = subprocess.run([prefix / "bin" / "cachefs-hub", "serve", "--root", dataset], capture_output=True, text=True,
-                         timeout=60, env=offline_env(), check=False)
-    assert hub.returncode == 1
-    assert hub.stderr == "cachefs-hub: error: aiohttp is not installed: install the hub with `pip install 'cachefs[hub]'`\n"
+    serve = subprocess.run([prefix / "bin" / "cachefs-hub", "serve", "--root", dataset], capture_output=True, text=True,
+                           timeout=60, env=offline_env(), check=False)
+    assert serve.returncode == 1
+    assert serve.stderr == "cachefs-hub: error: aiohttp is not installed: install the hub with `pip install 'cachefs[hub]'`\n"
     mountpoint, cache_dir = tmp_path / "mnt", tmp_path / "cache"
     mountpoint.mkdir()
     cachefs = str(bin_dir / "cachefs")
