@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import importlib.util
 import logging
 import math
 import os
@@ -18,7 +19,17 @@ from typing import Any
 
 from . import __version__, cli_admin
 from .cache.store import can_free_space
-from .config import MountConfig, parse_hub_url, parse_listen, parse_size, read_token, validate_block_size
+from .config import (
+    MountConfig,
+    parse_group,
+    parse_hub_url,
+    parse_listen,
+    parse_mode,
+    parse_size,
+    parse_user,
+    read_token,
+    validate_block_size,
+)
 from .config_file import ConfigFileError, with_config_file
 from .errors import CachefsError, UsageError
 from .mountpoints import lazy_unmount, network_file_system, prepare_mountpoint
@@ -26,6 +37,7 @@ from .mountpoints import lazy_unmount, network_file_system, prepare_mountpoint
 log = logging.getLogger("cachefs")
 
 LOG_FILE = "cachefs.log"
+EXIT_USAGE = 2  # argparse's exit code for a bad command line
 TOKEN_ENV = "CACHEFS_HUB_TOKEN"
 
 
@@ -87,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-other", action="store_true",
         help="let other local users read the mount (file modes from the hub still apply); default: only you",
     )
+    mount.add_argument("--uid", metavar="USER", help="owner of every file and directory, a name or number (default: yours)")
+    mount.add_argument("--gid", metavar="GROUP", help="group of every file and directory, a name or number (default: yours)")
+    mount.add_argument("--file-mode", metavar="MODE", help="permission bits of every file, e.g. 0640 (default: the hub's)")
+    mount.add_argument("--dir-mode", metavar="MODE", help="permission bits of every directory, e.g. 0750 (default: the hub's)")
     mount.add_argument(
         "--passthrough", action="store_true",
         help="let the kernel read whole, verified cached files straight from the cache (FUSE passthrough: local disk "
@@ -126,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(with_config_file(argv, parser, "mount"))
     except ConfigFileError as exc:
         print(f"cachefs: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     try:
         if args.command == "mount":
             return _mount(args, argv)
@@ -135,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cli_admin.run(args)
     except CachefsError as exc:
         print(f"cachefs: error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE if isinstance(exc, InvalidOptionValue) else 1
     except KeyboardInterrupt:
         print("cachefs: interrupted", file=sys.stderr)
         return 130
@@ -181,6 +197,10 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
         client_key=args.tls_key,
         fetch_timeout_s=args.fetch_timeout,
         allow_other=args.allow_other,
+        uid=parse_user(args.uid) if args.uid is not None else None,
+        gid=parse_group(args.gid) if args.gid is not None else None,
+        file_mode=parse_mode(args.file_mode) if args.file_mode is not None else None,
+        dir_mode=parse_mode(args.dir_mode) if args.dir_mode is not None else None,
         passthrough=args.passthrough,
         foreground=args.foreground,
         debug=args.debug,
@@ -194,8 +214,12 @@ def _prepare_cache_dir(path: Path) -> None:
             f"cache dir {path} is on {remote}, a network file system: put the cache on a local disk "
             "(its index is a memory-mapped database that network file systems do not keep safe)"
         )
+    # Only the last component is created: a missing parent is most often a cache disk
+    # that is not mounted, and creating it would fill the disk under it instead.
+    if not path.parent.is_dir():
+        raise UsageError(f"cache dir {path}: {path.parent} does not exist (is the cache disk mounted?)")
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"cannot create cache dir {path}: {exc.strerror}") from None
     if not path.is_dir():
@@ -217,9 +241,18 @@ def _prepare_cache_dir(path: Path) -> None:
         )
 
 
+class InvalidOptionValue(UsageError):
+    """An option value `cachefs mount` refuses: exit code 2, like argparse's own errors,
+    which mount.cachefs reports to mount(8) as incorrect invocation."""
+
+
 def _mount(args: argparse.Namespace, argv: list[str]) -> int:
-    config = _config_from_args(args)
+    try:
+        config = _config_from_args(args)
+    except UsageError as exc:
+        raise InvalidOptionValue(str(exc)) from None
     if args.ready_fd is None:
+        _check_fuse_installed()
         _setup_logging(config.debug, None)
         prepare_mountpoint(config.mountpoint)
         _prepare_cache_dir(config.cache_dir)
@@ -239,6 +272,12 @@ def _mount(args: argparse.Namespace, argv: list[str]) -> int:
     with contextlib.suppress(OSError):
         ready.close()
     return status
+
+
+def _check_fuse_installed() -> None:
+    """pyfuse3 is the spoke's own dependency, missing from an install without the `spoke` extra."""
+    if importlib.util.find_spec("pyfuse3") is None:
+        raise UsageError("pyfuse3 is not installed: install the spoke with `pip install 'cachefs[spoke]'`")
 
 
 def _run_foreground(config: MountConfig, notify: Any) -> int:

@@ -13,7 +13,6 @@ import fcntl
 import logging
 import os
 import signal
-import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -26,7 +25,7 @@ import trio
 from . import __version__
 from .admin import Admin
 from .cache import BlockCache
-from .config import MountConfig
+from .config import MountConfig, Ownership
 from .control import SOCKET_NAME, ControlServer
 from .db import IndexDb, NamespaceDb, get_meta, open_cache_databases, put_meta
 from .errors import CacheDirInUse, CachefsError, UsageError
@@ -40,6 +39,7 @@ from .passthrough import Passthrough
 from .planner import Planner
 from .readahead import ReadAhead
 from .reader import Reader
+from .sd_notify import sd_notify
 from .snapshots import Snapshots
 
 log = logging.getLogger(__name__)
@@ -66,20 +66,6 @@ class CacheDirLock:
 
     def release(self) -> None:
         os.close(self._fd)
-
-
-def sd_notify(message: str) -> None:
-    """Tell systemd (Type=notify units) about readiness; a no-op outside systemd."""
-    address = os.environ.get("NOTIFY_SOCKET")
-    if not address:
-        return
-    if address.startswith("@"):
-        address = "\0" + address[1:]  # abstract namespace
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-            sock.sendto(message.encode(), address)
-    except OSError as exc:
-        log.warning("cannot notify systemd at %s: %s", address, exc)
 
 
 def tune_malloc() -> None:
@@ -210,8 +196,12 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
                 reader,
                 passthrough,
                 stats,
-                uid=os.getuid(),
-                gid=os.getgid(),
+                ownership=Ownership(
+                    uid=os.getuid() if config.uid is None else config.uid,
+                    gid=os.getgid() if config.gid is None else config.gid,
+                    file_mode=config.file_mode,
+                    dir_mode=config.dir_mode,
+                ),
                 attr_timeout_s=config.attr_timeout_s,
                 stats_json=lambda: {"pid": os.getpid(), **admin.snapshot()},
             )
@@ -256,7 +246,8 @@ async def _refresh_once_mounted(refresh: Callable[[], Awaitable[dict[str, Any]]]
 
 def _init_fuse(operations: CachefsOperations, config: MountConfig) -> None:
     options = set(pyfuse3.default_options)  # default_permissions: enforce the hub's modes
-    options |= {"fsname=cachefs", "subtype=cachefs", "ro"}
+    # findmnt and df show the hub as the source; a comma would end the option.
+    options |= {f"fsname={str(config.hub_url).replace(',', '%2C')}", "subtype=cachefs", "ro"}
     if config.allow_other:
         options.add("allow_other")
     if config.debug:

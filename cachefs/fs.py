@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import pyfuse3
 
+from .config import Ownership
 from .errors import HubError, OpenInAnotherVersion, RemoteFileChanged
 from .metrics import READ_DURATION, Stats
 from .namespace import KIND_DIR, KIND_FILE, Inode, Namespace
@@ -113,8 +114,7 @@ class CachefsOperations(pyfuse3.Operations):
         passthrough: Passthrough,
         stats: Stats,
         *,
-        uid: int,
-        gid: int,
+        ownership: Ownership,
         attr_timeout_s: float,
         stats_json: Callable[[], dict[str, Any]],
     ) -> None:
@@ -124,8 +124,7 @@ class CachefsOperations(pyfuse3.Operations):
         self._passthrough = passthrough
         self.enable_passthrough = passthrough.enabled  # read by pyfuse3 at FUSE_INIT (patched build)
         self.stats = stats
-        self._uid = uid
-        self._gid = gid
+        self._ownership = ownership
         self._attr_timeout_s = attr_timeout_s
         self._stats_json = stats_json
         self._handles: dict[int, OpenFile] = {}
@@ -152,10 +151,10 @@ class CachefsOperations(pyfuse3.Operations):
     def _attributes(self, inode: Inode) -> pyfuse3.EntryAttributes:
         attr = pyfuse3.EntryAttributes()
         attr.st_ino = inode.ino
-        attr.st_mode = _KIND_BITS.get(inode.kind, stat.S_IFLNK) | inode.mode
+        attr.st_mode = _KIND_BITS.get(inode.kind, stat.S_IFLNK) | self._ownership.mode(inode.is_dir, inode.is_file, inode.mode)
         attr.st_nlink = 2 if inode.is_dir else 1
         attr.st_size = inode.size
-        attr.st_uid, attr.st_gid = self._uid, self._gid
+        attr.st_uid, attr.st_gid = self._ownership.uid, self._ownership.gid
         attr.st_blksize = self._reader.block_size
         attr.st_blocks = (inode.size + 511) // 512
         attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = inode.mtime_ns

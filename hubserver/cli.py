@@ -15,7 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from cachefs import __version__
 from cachefs.config_file import ConfigFileError, with_config_file
+from cachefs.sd_notify import sd_notify
 from hubserver.config import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,
@@ -87,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Serve one dataset directory, read-only, to cachefs spokes over HTTP.",
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     serve = commands.add_parser(
         "serve",
@@ -308,8 +311,10 @@ async def serve(config: HubConfig, auth: HubAuth, ssl_context: ssl.SSLContext | 
         host, port = sock.getsockname()[:2]
         scheme = "https" if ssl_context is not None else "http"
         print(f"{PROG} listening on {scheme}://{_format_host(host)}:{port}", flush=True)
+        sd_notify("READY=1")  # systemd's Type=notify: units ordered after the hub find it serving
         signum = await _wait_for_stop_signal()
         LOG.info("received %s, shutting down", signum.name)
+        sd_notify("STOPPING=1")
     finally:
         loop.remove_signal_handler(signal.SIGHUP)
         loop.remove_signal_handler(signal.SIGUSR1)
@@ -332,6 +337,14 @@ def _load_credentials(config: HubConfig) -> tuple[HubAuth, ssl.SSLContext | None
         raise UserError(str(exc)) from None
 
 
+def _check_installed() -> None:
+    """The hub's own dependency, missing from an install without the `hub` extra; raises UserError."""
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        raise UserError("aiohttp is not installed: install the hub with `pip install 'cachefs[hub]'`") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``cachefs-hub``; returns the exit code."""
     parser = build_parser()
@@ -341,6 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILURE
     try:
+        _check_installed()
         root = check_root(args.root)
         _check_options_together(args)
         host, port = args.listen
