@@ -29,7 +29,7 @@ from typing import Final
 from aiohttp import hdrs, web
 
 from hubserver.config import HubConfig
-from hubserver.handlers import endpoint_of, json_error, printable
+from hubserver.handlers import endpoint_of, json_error, loggable_target, printable
 from hubserver.metrics import (
     AUTH_INVALID,
     AUTH_MALFORMED,
@@ -268,7 +268,7 @@ def make_auth_middleware(auth: HubAuth, metrics: HubMetrics) -> Callable[..., Aw
             LOG.warning(
                 "rejected %s %s from %s: %s",
                 request.method,
-                printable(request.raw_path),
+                loggable_target(request),
                 request.remote,
                 _REASON_TEXT[reason],
             )

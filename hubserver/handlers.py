@@ -66,6 +66,22 @@ def printable(text: str, limit_chars: int = 200) -> str:
     return repr(text)[1:-1]
 
 
+# Query parameters of the protocol and what their values look like (ids, versions,
+# numbers): a query of only these is logged as sent, any other is not logged at all, as
+# it may carry a secret (a token someone put in the URL, ?access_token=...).
+_LOGGABLE_QUERY_RE: Final = re.compile(r"(?:(?:v|bs|first|count|f)=[0-9a-f.,]*)(?:&(?:v|bs|first|count|f)=[0-9a-f.,]*)*")
+REDACTED_QUERY: Final = "<query redacted>"
+
+
+def loggable_target(request: web.BaseRequest) -> str:
+    """The request target for a log line: the path, and the query only if it is made of
+    the protocol's parameters (else REDACTED_QUERY), escaped and cut as by ``printable``."""
+    path, sep, query = request.raw_path.partition("?")
+    if sep and not _LOGGABLE_QUERY_RE.fullmatch(query):
+        query = REDACTED_QUERY
+    return printable(path + sep + query, 300)
+
+
 def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
     """The protocol's error answer: ``{"error": "<one line>"}``."""
     one_line = " ".join(message.split())
@@ -84,9 +100,11 @@ def check_query(request: web.Request, allowed: frozenset[str]) -> None:
     query = request.query
     for key in query:
         if key not in allowed:
-            raise HubHTTPError(400, f"unexpected query parameter {printable(key, 40)!r}")
+            # The parameter is not named back: it may be a secret put in the URL.
+            takes = ", ".join(sorted(allowed)) if allowed else "none"
+            raise HubHTTPError(400, f"unexpected query parameter (this endpoint takes: {takes})")
         if len(query.getall(key)) > 1:
-            raise HubHTTPError(400, f"query parameter {printable(key, 40)!r} given more than once")
+            raise HubHTTPError(400, f"query parameter {key!r} given more than once")
 
 
 @web.middleware
@@ -107,7 +125,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except ConnectionError:
         raise
     except Exception:
-        LOG.exception("unexpected error answering %s %s", request.method, printable(request.raw_path))
+        LOG.exception("unexpected error answering %s %s", request.method, loggable_target(request))
         return json_error(500, "internal server error")
 
 

@@ -29,6 +29,7 @@ import asyncio
 import collections
 import ipaddress
 import logging
+import re
 import socket
 import ssl
 import time
@@ -36,7 +37,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from aiohttp import hdrs, web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import (
+    BadHttpMessage,
+    BadStatusLine,
+    HttpProcessingError,
+    InvalidHeader,
+    InvalidURLError,
+    LineTooLong,
+)
 from aiohttp.web_protocol import RequestHandler
 
 from hubserver.auth import IDENTITY_KEY, client_cert_name
@@ -46,6 +54,7 @@ from hubserver.handlers import (
     SERVER_HEADER,
     endpoint_of,
     json_error,
+    loggable_target,
     printable,
 )
 from hubserver.metrics import ENDPOINT_MALFORMED, STATUS_CLIENT_CLOSED, HubMetrics
@@ -127,13 +136,45 @@ def handler_options(config: HubConfig) -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------- parser errors
+
+# llhttp's messages: its own description of the error, then the bytes it choked on.
+_LLHTTP_MESSAGE_RE: Final = re.compile(r"(?:Bad status line:\s+)?([A-Za-z][A-Za-z0-9 ,.()_-]{0,99}):\n\n  b['\"]")
+_TLS_ON_PLAIN_PORT: Final = "Received HTTPS traffic on an HTTP port"
+# aiohttp's errors whose messages quote the request (a header line, the URL).
+_QUOTING_ERRORS: Final = (
+    (LineTooLong, "a request line or header is too long"),
+    (InvalidURLError, "malformed request target"),
+    (InvalidHeader, "malformed header"),
+    (BadStatusLine, "malformed request line"),
+)
+
+
+def parser_reason(exc: HttpProcessingError) -> str:
+    """Why the HTTP parser refused a request, for the log and the 400 answer: its own
+    words, never the request bytes it quotes (a header line with a token, a URL)."""
+    message = exc.message if isinstance(exc.message, str) else ""
+    if message == _TLS_ON_PLAIN_PORT:
+        return "TLS on a plain HTTP port"
+    match = _LLHTTP_MESSAGE_RE.match(message)
+    if match is not None:
+        return match.group(1)
+    for error_type, reason in _QUOTING_ERRORS:
+        if isinstance(exc, error_type):
+            return reason
+    if type(exc) is BadHttpMessage and message.isprintable() and "b'" not in message and len(message) <= 100:
+        return message  # one of the pure-Python parser's fixed texts ("Too many headers received")
+    return "malformed request"
+
+
 # --------------------------------------------------------------- access log
 
 
 def log_access(request: web.BaseRequest, identity: str, status: str, body_bytes: int, duration_s: float) -> None:
     """One access-log line: client address, identity (a token's NAME, a
     client certificate's cn=..., or -), request line, status, body bytes,
-    seconds. Never a token: tokens only travel in the Authorization header."""
+    seconds. Never a token: the query is left out unless it is the protocol's (see
+    ``loggable_target``), and headers are not logged."""
     if not ACCESS_LOG.isEnabledFor(logging.INFO):
         return
     version = request.version
@@ -142,7 +183,7 @@ def log_access(request: web.BaseRequest, identity: str, status: str, body_bytes:
         request.remote or "-",
         identity,
         printable(request.method, 20),
-        printable(request.raw_path, 300),
+        loggable_target(request),
         version.major,
         version.minor,
         status,
@@ -328,7 +369,7 @@ class HubRequestHandler(RequestHandler):
             # The client is gone, or a response is half sent: close.
             raise ConnectionError("client went away or response already started")
         if isinstance(exc, HttpProcessingError):
-            reason = printable(" ".join((message or exc.message or str(exc)).split()), 200)
+            reason = parser_reason(exc)
             LOG.info("malformed request from %s: %s", request.remote, reason)
             response = json_error(status, f"bad request: {reason}")
             body_bytes = response.content_length or 0

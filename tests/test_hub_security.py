@@ -773,6 +773,44 @@ def test_malformed_requests_get_400_json(auth_hub: HubProcess, request_bytes: by
     assert http_get(auth_hub, "/healthz").status == 200
 
 
+# What a client may send with a token in it that the HTTP parser or the routes refuse.
+_LEAKY_REQUESTS = {
+    "cr-cr-lf": b"GET /v1/manifest HTTP/1.1\r\nHost: hub\r\nAuthorization: Bearer %s\r\r\n\r\n",
+    "control-char-in-token-line": b"GET /v1/manifest HTTP/1.1\r\nHost: hub\r\nAuthorization: Bearer %s\x01\r\n\r\n",
+    "control-char-in-header": b"GET /v1/manifest HTTP/1.1\r\nAuthorization: Bearer %s\r\nHost: h\x7fub\r\n\r\n",
+    "space-before-colon": b"GET /v1/manifest HTTP/1.1\r\nHost: hub\r\nAuthorization : Bearer %s\r\n\r\n",
+    "bare-lf": b"GET /v1/manifest HTTP/1.1\nHost: hub\nAuthorization: Bearer %s\n\n",
+    "oversized-header": b"GET /v1/manifest HTTP/1.1\r\nHost: hub\r\nX-Token: %s" + b"a" * 5000 + b"\r\n\r\n",
+    "control-char-in-url": b"GET /v1/manifest?access_token=%s\x01 HTTP/1.1\r\nHost: hub\r\n\r\n",
+    "query-token": b"GET /v1/manifest?access_token=%s HTTP/1.1\r\nHost: hub\r\nConnection: close\r\n\r\n",
+    "query-token-and-header": b"GET /v1/manifest?access_token=%s HTTP/1.1\r\nHost: hub\r\n"
+    b"Authorization: Bearer " + ALICE.encode() + b"\r\nConnection: close\r\n\r\n",
+    "query-key": b"GET /v1/manifest?%s HTTP/1.1\r\nHost: hub\r\n"
+    b"Authorization: Bearer " + ALICE.encode() + b"\r\nConnection: close\r\n\r\n",
+}
+
+
+def test_no_request_the_hub_refuses_puts_its_token_in_a_log_or_a_reply(dataset: Dataset, token_file: Path) -> None:
+    """Parser errors quote the offending bytes, and paths carry queries: neither may bring a
+    token into the hub's output (at debug level) or its answers."""
+    token = BOB.encode()
+    replies = {}
+    with running_hub(dataset.root, ["--token-file", str(token_file), "--log-level", "debug"]) as hub:
+        for name, template in _LEAKY_REQUESTS.items():
+            data, closed = raw_exchange(hub.host, hub.port, template % token)
+            assert closed and re.match(rb"HTTP/1\.[01] 4\d\d ", data), (name, data[:300])
+            replies[name] = data
+        assert wait_until(lambda: hub.stderr_text().count('"GET /v1/manifest?') >= 3, 5)
+        assert http_get(hub, "/healthz").status == 200
+    leaks = [name for name, data in replies.items() if token in data]
+    output = hub.stdout_text() + hub.stderr_text()
+    assert not leaks and BOB not in output, (leaks, [line for line in output.splitlines() if BOB in line])
+    assert "Traceback" not in output
+    # What the parser objected to is still said, without the bytes.
+    assert b"bad request: " in replies["space-before-colon"]
+    assert '"GET /v1/manifest?<query redacted> HTTP/1.1" 401 ' in output
+
+
 # --------------------------------------------------------------- fuzzing
 
 FUZZ_HEADER_TIMEOUT_S = 1.0
