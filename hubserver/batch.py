@@ -39,7 +39,7 @@ from hubserver.handlers import (
     json_error,
     send_file_range,
 )
-from hubserver.manifest import FileChangedError, FileRecord, Snapshot, open_unchanged
+from hubserver.manifest import FileChangedError, FileRecord, FileUnavailableError, Snapshot, open_unchanged, read_block
 
 LOG = logging.getLogger(__name__)
 
@@ -79,6 +79,9 @@ async def batch(request: web.Request) -> web.StreamResponse:
     except _NotInSnapshot as exc:
         LOG.info("batch: %s; answering 412", exc)
         return json_error(412, str(exc))
+    except FileUnavailableError as exc:
+        LOG.warning("batch: %s; answering 503", exc)
+        return json_error(503, "a file of the batch cannot be read now; retry", {"Retry-After": "1"})
     return await _send(request, snapshot, records, sums)
 
 
@@ -99,11 +102,11 @@ async def _send(request: web.Request, snapshot: Snapshot, records: list[FileReco
             continue
         try:
             fd = await loop.run_in_executor(None, open_unchanged, snapshot, record)
-        except FileChangedError as exc:  # since it was hashed: the sums sent would not match
-            LOG.warning("batch: file %s changed while being sent (%s); closing the connection", record.file_id, exc)
+        except (FileChangedError, FileUnavailableError) as exc:  # since it was hashed: the answer is cut
+            LOG.warning("batch: file %s cannot be sent (%s); closing the connection", record.file_id, exc)
             if request.transport is not None:
                 request.transport.abort()
-            raise ConnectionResetError(f"file {record.file_id} changed while being sent") from None
+            raise ConnectionResetError(f"file {record.file_id} cannot be sent") from None
         try:
             await send_file_range(request, fd, record, 0, record.size_bytes)
         finally:
@@ -132,7 +135,7 @@ def _hash_all(snapshot: Snapshot, records: list[FileRecord]) -> list[int]:
             LOG.warning("file %s: %s", record.file_id, exc)
             raise _NotInSnapshot(f"file {record.file_id} changed on disk since the snapshot") from None
         try:
-            content = os.pread(fd, record.size_bytes, 0)
+            content = read_block(fd, record, record.size_bytes, 0)
         finally:
             os.close(fd)
         if len(content) != record.size_bytes:

@@ -31,8 +31,16 @@ import xxhash
 from aiohttp import web
 
 from hubserver import handlers
-from hubserver.handlers import SNAPSHOT_KEY, HubHTTPError, json_error
-from hubserver.manifest import FileChangedError, FileRecord, Snapshot, check_unchanged, open_unchanged
+from hubserver.handlers import SNAPSHOT_KEY, HubHTTPError, json_error, unavailable
+from hubserver.manifest import (
+    FileChangedError,
+    FileRecord,
+    FileUnavailableError,
+    Snapshot,
+    check_unchanged,
+    open_unchanged,
+    read_block,
+)
 
 LOG = logging.getLogger(__name__)
 
@@ -168,7 +176,7 @@ class ChecksumCache:
             for key in keys:
                 if not asked.wanted():
                     raise RequestAbandoned(f"the client of the sums of {record.path!r} went away")
-                data = os.pread(source, block_bytes, key[3] * block_bytes)
+                data = read_block(source, record, block_bytes, key[3] * block_bytes)
                 self._on_hashed(len(data))
                 into[key] = xxhash.xxh3_64_intdigest(data)
         finally:
@@ -215,6 +223,9 @@ async def file_data(request: web.Request) -> web.StreamResponse:
         response.close_fd()
         LOG.warning("file %s: %s; answering 412", record.file_id, exc)
         return json_error(412, f"file {record.file_id} changed on disk since the snapshot")
+    except FileUnavailableError as exc:
+        response.close_fd()
+        return unavailable(record, exc)
     except RequestAbandoned as exc:
         response.close_fd()
         return _abandoned(exc)
@@ -251,6 +262,8 @@ async def file_checksums(request: web.Request) -> web.Response:
     except FileChangedError as exc:
         LOG.warning("file %s: %s; answering 412", file_id, exc)
         return json_error(412, f"file {file_id} changed on disk since the snapshot")
+    except FileUnavailableError as exc:
+        return unavailable(record, exc)
     except RequestAbandoned as exc:
         return _abandoned(exc)
     return web.Response(

@@ -13,7 +13,7 @@ from typing import Final
 from aiohttp import hdrs, web
 from aiohttp.abc import AbstractStreamWriter
 
-from hubserver.manifest import FileChangedError, FileRecord, open_unchanged
+from hubserver.manifest import FileChangedError, FileRecord, FileUnavailableError, open_unchanged
 from hubserver.metrics import ENDPOINT_OTHER, ENDPOINTS, HubMetrics
 
 LOG = logging.getLogger(__name__)
@@ -80,6 +80,13 @@ def loggable_target(request: web.BaseRequest) -> str:
     if sep and not _LOGGABLE_QUERY_RE.fullmatch(query):
         query = REDACTED_QUERY
     return printable(path + sep + query, 300)
+
+
+def unavailable(record: FileRecord, exc: FileUnavailableError) -> web.Response:
+    """The answer when a file cannot be opened or read for a reason that may pass: 503,
+    which clients retry (a 412 would tell them the file changed)."""
+    LOG.warning("file %s: %s; answering 503", record.file_id, exc)
+    return json_error(503, f"file {record.file_id} cannot be read now; retry", {hdrs.RETRY_AFTER: "1"})
 
 
 def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -337,6 +344,8 @@ async def file_data(request: web.Request) -> web.StreamResponse:
     except FileChangedError as exc:
         LOG.warning("file %s: %s; answering 412", record.file_id, exc)
         return json_error(412, f"file {record.file_id} changed on disk since the snapshot")
+    except FileUnavailableError as exc:
+        return unavailable(record, exc)
     try:
         byte_range = parse_range(range_header, record.size_bytes)
         return SnapshotFileResponse(fd, record, byte_range)

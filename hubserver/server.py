@@ -455,6 +455,33 @@ def _peer(transport: asyncio.BaseTransport) -> str:
     return f"{address[0]}:{address[1]}" if address is not None else "-"
 
 
+class AcceptErrorReporter:
+    """The event loop's exception handler: asyncio reports every failed accept() for want
+    of descriptors or memory (about a hundred a second, each with a traceback); this makes
+    them one warning line per interval. Anything else goes to the default handler."""
+
+    def __init__(self) -> None:
+        self._logged_at: float | None = None
+        self._since_log = 0
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if not (isinstance(exc, OSError) and context.get("message", "").startswith("socket.accept() out of")):
+            loop.default_exception_handler(context)
+            return
+        self._since_log += 1
+        now = time.monotonic()
+        if self._logged_at is None or now - self._logged_at >= _REFUSAL_LOG_INTERVAL_S:
+            LOG.warning(
+                "cannot accept connections: %s (%d failed accepts since the last report); "
+                "new connections wait until descriptors are free",
+                exc.strerror or exc,
+                self._since_log,
+            )
+            self._logged_at = now
+            self._since_log = 0
+
+
 async def start_server(
     runner: web.AppRunner,
     config: HubConfig,
@@ -474,6 +501,7 @@ async def start_server(
         return HubRequestHandler(server, limits, **options)
 
     loop = asyncio.get_running_loop()
+    loop.set_exception_handler(AcceptErrorReporter())
     return await loop.create_server(
         make_handler,
         sock=sock,

@@ -13,9 +13,11 @@ import json
 import os
 import random
 import re
+import resource
 import signal
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -657,6 +659,68 @@ def test_one_client_cannot_take_every_connection(dataset: Dataset) -> None:
                 conn.close()
         assert wait_until(lambda: healthz_status(hub) == 200, 5)  # their slots are free again
     assert "refusing connections: 2 open from 127.0.0.1, the most --max-connections-per-client allows" in hub.stderr_text()
+
+
+def hub_open_fds(hub: HubProcess) -> int:
+    return len(os.listdir(f"/proc/{hub.proc.pid}/fd"))
+
+
+def exhaust_descriptors(hub: HubProcess) -> list[socket.socket]:
+    """Idle connections, each answered once, until the hub cannot accept another (it has no
+    descriptor left). Returns them all, the last one not accepted."""
+    held: list[socket.socket] = []
+    while len(held) < 200:
+        sock = socket.create_connection((hub.host, hub.port), timeout=5)
+        held.append(sock)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: hub\r\n\r\n")
+        sock.settimeout(1.5)
+        try:
+            if sock.recv(65536).startswith(b"HTTP/1.1 200 "):
+                continue
+        except TimeoutError:
+            return held
+        raise AssertionError("the hub closed an idle connection")
+    raise AssertionError("the hub accepted 200 connections")
+
+
+def test_a_hub_out_of_descriptors_answers_503_and_spokes_wait_not_estale(tmp_path: Path) -> None:
+    """Failing to open a file for want of descriptors is not "changed on disk": the hub
+    answers 503 and the spoke retries until its --fetch-timeout, so the read succeeds once
+    the idle connections that took the descriptors are gone."""
+    root = tmp_path / "root"
+    root.mkdir()
+    content = random.Random(5).randbytes(100_000)
+    (root / "data.bin").write_bytes(content)
+    mount_helpers = pytest.importorskip("mount_helpers")
+    with running_hub(root) as hub:
+        with mount_helpers.mounted_spoke(hub.url, tmp_path, ["--fetch-timeout", "30"]) as spoke:
+            limit = hub_open_fds(hub) + 12
+            resource.prlimit(hub.proc.pid, resource.RLIMIT_NOFILE, (limit, limit))
+            held = exhaust_descriptors(hub)
+            result: dict[str, Any] = {}
+
+            def read() -> None:
+                try:
+                    result["data"] = (spoke.mountpoint / "data.bin").read_bytes()
+                except OSError as exc:
+                    result["error"] = exc
+
+            reader = threading.Thread(target=read)
+            reader.start()
+            try:
+                reader.join(3)
+                assert reader.is_alive(), result  # still trying, not failed
+            finally:
+                for sock in held:
+                    sock.close()
+            reader.join(30)
+            assert not reader.is_alive()
+            assert result.get("data") == content, result
+            assert "changed on the hub" not in spoke.log_text()
+        samples = scrape_metrics(hub)
+        assert sample(samples, "cachefs_hub_requests_total", endpoint="files", status="503") >= 1
+        assert sample(samples, "cachefs_hub_requests_total", endpoint="files", status="412") == 0
+    assert "Traceback" not in hub.stderr_text()
 
 
 def healthz_status(hub: HubProcess) -> int:
