@@ -76,9 +76,9 @@ class HubConfig:
     # of max_connections, rounded up), so that one client cannot take them
     # all. A regional cache in front of the hub is one address for all its spokes.
     max_connections_per_client: int | None = None
-    # A connection must deliver a complete request head this soon after it
-    # opens (TLS handshake included) and after the first byte of each later
-    # request; see DEFAULT_HEADER_TIMEOUT_S.
+    # A connection must finish its TLS handshake this soon after it opens, and
+    # deliver a complete request head this soon after that and after the first
+    # byte of each later request; see DEFAULT_HEADER_TIMEOUT_S.
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     # See DEFAULT_SEND_TIMEOUT_S; enforced by the kernel (TCP_USER_TIMEOUT,
     # Linux), so it also covers sendfile.

@@ -104,7 +104,7 @@ class HubMetrics:
         )
         self.open_connections = Gauge(
             f"{PREFIX}_open_connections",
-            "Client connections open now (admitted ones; TLS handshake done)",
+            "Client connections open now (admitted ones, TLS handshakes under way included)",
             registry=registry,
         )
         self.refused_connections = Counter(

@@ -6,8 +6,11 @@ it lacks is added here, in a subclass of its connection handler
 (``HubRequestHandler``) that the CLI's listening socket creates for every
 connection:
 
-- a cap on open connections, in all and per client address: beyond it a
-  connection gets a canned 503 and is closed;
+- a cap on open connections, in all and per client address, counted when the
+  TCP connection opens: beyond it a connection gets a canned 503 and is closed
+  (with TLS it is closed at once, before any handshake);
+- the TLS handshake, started by the connection once it is counted, and
+  bounded by ``header_timeout_s``;
 - a request head timeout: a connection must deliver a complete request head
   within ``header_timeout_s`` of opening and of the first byte of each later
   request, or it is closed (slowloris). aiohttp's own keep-alive timer only
@@ -252,7 +255,10 @@ def make_observe_middleware(
 class ConnectionLimits:
     """What all connections of one listening socket share."""
 
-    def __init__(self, config: HubConfig, metrics: HubMetrics) -> None:
+    def __init__(self, config: HubConfig, metrics: HubMetrics, ssl_context: ssl.SSLContext | None = None) -> None:
+        # TLS is started by each connection once it is counted (HubRequestHandler), so that
+        # the limits hold for connections still in their handshake too.
+        self.ssl_context = ssl_context
         self.max_connections = config.max_connections
         self.max_per_client = config.max_connections_per_client or -(-3 * config.max_connections // 4)
         self._per_client: collections.Counter[str] = collections.Counter()  # open connections by address
@@ -295,18 +301,24 @@ class ConnectionLimits:
 
 
 class HubRequestHandler(RequestHandler):
-    """aiohttp's connection handler plus the connection limit, the request
-    head timeout and JSON answers to malformed requests."""
+    """aiohttp's connection handler plus the connection limit (counted when the TCP
+    connection opens, before any TLS handshake), the TLS handshake, the request head
+    timeout and JSON answers to malformed requests."""
 
     def __init__(self, manager: web.Server, limits: ConnectionLimits, **options: Any) -> None:
         super().__init__(manager, loop=asyncio.get_running_loop(), **options)
         self._limits = limits
-        self._admitted = False
+        self._admitted = False  # counted in the limits until released
+        self._connected = False  # handed to aiohttp (after the TLS handshake, with TLS)
+        self._lost = False
         self._client = ""  # the peer's address
         # Set on a refused connection until its 503 is written.
         self._refused_transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._in_request = False
+        self._handshake: asyncio.Task[None] | None = None
+        # Decrypted bytes that arrived with the end of the handshake, before the handler ran.
+        self._early_data: list[bytes] = []
 
     # -- asyncio.Protocol
 
@@ -314,34 +326,81 @@ class HubRequestHandler(RequestHandler):
         address = _peer_address(transport)
         self._client = client_of(address[0]) if address is not None else "-"
         if not self._limits.admit(self._client):
+            if self._limits.ssl_context is not None:
+                transport.close()  # nothing can be said before a handshake, and that is what it spares
+                return
             self._refused_transport = transport  # type: ignore[assignment]
             self._timer = self._loop.call_later(_REFUSAL_GRACE_S, self._send_refusal)
             return
         self._admitted = True
         _set_send_timeout(transport, self._limits.send_timeout_ms)
-        super().connection_made(transport)
-        self._start_header_timer()
+        if self._limits.ssl_context is None:
+            self._connect(transport)
+        else:
+            self._handshake = self._loop.create_task(self._start_tls(transport))  # type: ignore[arg-type]
 
     def data_received(self, data: bytes) -> None:
         if not self._admitted:
             self._send_refusal()
+            return
+        if not self._connected:
+            self._early_data.append(data)
             return
         if not self._in_request and self._timer is None:
             self._start_header_timer()
         super().data_received(data)
 
     def eof_received(self) -> None:
-        if self._admitted:
+        if self._connected:
             super().eof_received()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_timer()
         self._refused_transport = None
-        if not self._admitted:
+        self._lost = True
+        self._release()
+        if self._connected:
+            self._connected = False
+            super().connection_lost(exc)
+
+    # -- the connection's life
+
+    async def _start_tls(self, transport: asyncio.Transport) -> None:
+        """The TLS handshake, bounded by the header timeout; then the connection is served.
+        A failed handshake ends it (its slot in the limits is given back)."""
+        assert self._limits.ssl_context is not None
+        tls_transport: asyncio.Transport | None = None
+        try:
+            tls_transport = await self._loop.start_tls(
+                transport,
+                self,
+                self._limits.ssl_context,
+                server_side=True,
+                ssl_handshake_timeout=self._limits.header_timeout_s,
+            )
+        except Exception as exc:  # the handshake failed or timed out; the transport is closed
+            LOG.debug("TLS handshake with %s failed: %s", self._client, exc)
+        finally:
+            if tls_transport is None or self._lost:
+                self._release()
+        if tls_transport is None or self._lost:
             return
-        self._admitted = False
-        self._limits.release(self._client)
-        super().connection_lost(exc)
+        self._connect(tls_transport)
+        early, self._early_data = self._early_data, []
+        for data in early:
+            self.data_received(data)
+
+    def _connect(self, transport: asyncio.BaseTransport) -> None:
+        """Hand the (TLS) connection to aiohttp; its first request head is due within the timeout."""
+        self._connected = True
+        super().connection_made(transport)
+        self._start_header_timer()
+
+    def _release(self) -> None:
+        """Give the connection's place in the limits back (once)."""
+        if self._admitted:
+            self._admitted = False
+            self._limits.release(self._client)
 
     # -- called by the observe middleware
 
@@ -494,7 +553,7 @@ async def start_server(
     then shuts the open connections down."""
     server = runner.server
     assert server is not None, "runner.setup() first"
-    limits = ConnectionLimits(config, metrics)
+    limits = ConnectionLimits(config, metrics, ssl_context)
     options = handler_options(config)
 
     def make_handler() -> HubRequestHandler:
@@ -502,10 +561,5 @@ async def start_server(
 
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(AcceptErrorReporter())
-    return await loop.create_server(
-        make_handler,
-        sock=sock,
-        ssl=ssl_context,
-        # The TLS handshake gets the same bound as a request head.
-        ssl_handshake_timeout=config.header_timeout_s if ssl_context is not None else None,
-    )
+    # No ssl= here: each connection starts TLS itself once it is counted in the limits.
+    return await loop.create_server(make_handler, sock=sock)

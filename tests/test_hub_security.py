@@ -566,6 +566,48 @@ def test_mutual_tls_requires_a_client_certificate_from_the_ca(dataset: Dataset, 
     assert "Traceback" not in hub.stderr_text()
 
 
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the other end closed `sock` (EOF or reset), without waiting."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_a_burst_of_idle_connects_holds_no_more_descriptors_than_a_tls_hub_allows(dataset: Dataset, pki: PKI) -> None:
+    """Connections are counted before their TLS handshake: beyond the limits they are
+    closed at once, and the admitted ones that never start a handshake are closed after
+    --header-timeout; the descriptors the hub holds stay within its limit."""
+    max_connections, handshake_timeout_s = 4, 2.0
+    args = [*tls_args(pki), "--max-connections", str(max_connections), "--header-timeout", str(handshake_timeout_s)]
+    with running_hub(dataset.root, args) as hub:
+        baseline = hub_open_fds(hub)
+        burst: list[socket.socket] = []
+        try:
+            for _ in range(60):
+                burst.append(socket.create_connection((hub.host, hub.port), timeout=5))
+            refused = lambda: sum(closed_by_peer(sock) for sock in burst) >= 60 - max_connections  # noqa: E731
+            assert wait_until(refused, handshake_timeout_s / 2)
+            # What the hub holds while the admitted ones wait for their handshake.
+            peak = baseline
+            deadline = time.monotonic() + handshake_timeout_s / 2
+            while time.monotonic() < deadline:
+                peak = max(peak, hub_open_fds(hub))
+                time.sleep(0.01)
+            assert peak <= baseline + max_connections + 2, (baseline, peak)
+            assert wait_until(lambda: all(closed_by_peer(sock) for sock in burst), handshake_timeout_s + 3)
+        finally:
+            for sock in burst:
+                sock.close()
+        # A client that does the handshake is served once the burst is gone.
+        assert wait_until(lambda: healthz_status(hub, pki.client_context()) == 200, 5)
+        assert sample(scrape_metrics(hub, ssl_context=pki.client_context()), "cachefs_hub_refused_connections_total") >= 50
+    assert "Traceback" not in hub.stderr_text()
+
+
 # --------------------------------------------------------------- limits
 
 
@@ -723,9 +765,9 @@ def test_a_hub_out_of_descriptors_answers_503_and_spokes_wait_not_estale(tmp_pat
     assert "Traceback" not in hub.stderr_text()
 
 
-def healthz_status(hub: HubProcess) -> int:
+def healthz_status(hub: HubProcess, ssl_context: ssl.SSLContext | None = None) -> int:
     try:
-        return http_get(hub, "/healthz").status
+        return http_get(hub, "/healthz", ssl_context=ssl_context).status
     except OSError:
         return 0
 
