@@ -23,6 +23,8 @@ from pathlib import Path
 
 import xxhash
 
+from hubserver.beneath import open_beneath
+
 LOG = logging.getLogger(__name__)
 
 MANIFEST_FORMAT = "cachefs-manifest"
@@ -33,7 +35,7 @@ KIND_FILE = "f"
 KIND_SYMLINK = "l"
 
 # Opening a file that was swapped for a FIFO or a device must never block or
-# take a controlling terminal; the final component must not be a symlink.
+# take a controlling terminal; no component may be a symlink (see beneath.py).
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
@@ -50,7 +52,10 @@ class FileUnavailableError(Exception):
 # was removed, replaced by a symlink or a non-directory, its permissions changed); any
 # other (EMFILE, ENFILE, ENOMEM, EIO, ...) says nothing about the file.
 _CHANGED_ERRNOS = frozenset(
-    {errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.ENODEV, errno.EACCES, errno.EPERM}
+    {
+        errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV, errno.EISDIR,
+        errno.ENXIO, errno.ENODEV, errno.EACCES, errno.EPERM,
+    }
 )
 
 
@@ -497,16 +502,16 @@ def read_block(fd: int, record: FileRecord, length: int, offset: int) -> bytes:
 def open_unchanged(snapshot: Snapshot, record: FileRecord) -> int:
     """Open a file of the snapshot read-only and return the descriptor.
 
-    The descriptor is checked with ``fstat`` after opening, so what it reads
-    is the very inode that was scanned inside the root (same device, inode,
-    size, mtime and ctime), even if the path or a directory above it was swapped
-    for a symlink meanwhile: no realpath walk is needed to stay inside the
-    root. Raises FileChangedError otherwise, and FileUnavailableError if it
-    cannot be opened for want of resources. Blocking.
+    No symlink is followed on the way, in the last component or any directory
+    above it (``open_beneath``): what is opened lies inside the root, and a path
+    swapped to lead elsewhere opens nothing there. The descriptor is then
+    checked with ``fstat``, so what it reads is the very inode that was scanned
+    (same device, inode, size, mtime and ctime). Raises FileChangedError
+    otherwise, and FileUnavailableError if it cannot be opened for want of
+    resources. Blocking.
     """
-    path = snapshot.abs_path(record)
     try:
-        fd = os.open(path, _OPEN_FLAGS)
+        fd = open_beneath(snapshot.root_bytes, _encode_path(record.path), _OPEN_FLAGS)
     except OSError as exc:
         raise _open_error(record, exc) from None
     try:

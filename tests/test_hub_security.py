@@ -6,6 +6,7 @@ sockets where a well-behaved client cannot say what is needed)."""
 from __future__ import annotations
 
 import datetime
+import errno
 import gzip
 import http.client
 import ipaddress
@@ -17,6 +18,8 @@ import resource
 import signal
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -45,6 +48,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hubserver.auth import TokenFileError, TokenStore, read_token_file
+from hubserver.beneath import open_beneath, open_walking
 from hubserver.cli import main
 from hubserver.server import client_of
 
@@ -823,6 +827,75 @@ def test_bad_inputs_get_json_errors(auth_hub: HubProcess, manifest: Manifest, pa
     reply = http_get(auth_hub, path.format(id=entry["i"], v=entry["v"]), {**bearer(ALICE), **headers})
     assert_json_error(reply, status)
     assert SECRET_MARKER not in reply.body
+
+
+def test_a_directory_swapped_for_a_symlink_is_never_followed_out_of_the_root(tmp_path: Path) -> None:
+    """A directory of the root replaced by a symlink to a directory outside holding a FIFO
+    of the file's name: the hub answers 412 without opening the FIFO (opening it would
+    let its blocked writer go on)."""
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "data.bin").write_bytes(b"x" * 1000)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    fifo = outside / "data.bin"
+    os.mkfifo(fifo)
+    writer = subprocess.Popen([sys.executable, "-c", f"open({str(fifo)!r}, 'w')"])
+    try:
+        with running_hub(root) as hub:
+            entry = next(e for e in fetch_manifest_open(hub) if e["p"] == "sub/data.bin")
+            os.rename(root / "sub", tmp_path / "sub.moved")
+            os.symlink(outside, root / "sub")
+            for path in (file_url(entry), file_url(entry) + "&bs=65536"):
+                assert_json_error(http_get(hub, path, {"Range": "bytes=0-9"}), 412)
+            batch = http_get(hub, f"/v1/batch?bs=65536&f={entry['i']}.{entry['v']}")
+            assert_json_error(batch, 412)
+            checksums = http_get(hub, f"/v1/files/{entry['i']}/checksums?v={entry['v']}&bs=65536&first=0&count=1")
+            assert_json_error(checksums, 412)
+            with pytest.raises(subprocess.TimeoutExpired):
+                writer.wait(0.5)  # still blocked: nobody opened the FIFO for reading
+        assert "Traceback" not in hub.stderr_text()
+    finally:
+        writer.kill()
+        writer.wait()
+
+
+def _open_walking(root: Path, rel: bytes, flags: int) -> int:
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return open_walking(root_fd, rel, flags)
+    finally:
+        os.close(root_fd)
+
+
+def _open_beneath(root: Path, rel: bytes, flags: int) -> int:
+    return open_beneath(os.fsencode(root), rel, flags)
+
+
+@pytest.mark.parametrize("opener", [_open_beneath, _open_walking], ids=["openat2", "walking"])
+def test_opening_in_the_root_follows_no_symlink_in_any_component(tmp_path: Path, opener) -> None:
+    """Both ways the hub opens a file (openat2 where the kernel has it, else a walk one
+    directory at a time) refuse a symlink anywhere in the path, and nothing else."""
+    root = tmp_path / "root"
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "a" / "b" / "f").write_bytes(b"inside")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "f").write_bytes(b"outside")
+    os.symlink(tmp_path / "outside", root / "a" / "link")
+    os.symlink("b", root / "a" / "relative")
+    os.symlink("b/f", root / "a" / "file_link")
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = opener(root, b"a/b/f", flags)
+    try:
+        assert os.read(fd, 100) == b"inside"
+    finally:
+        os.close(fd)
+    symlink = {errno.ELOOP, errno.ENOTDIR}  # a symlink opened as a directory with O_NOFOLLOW: ENOTDIR
+    for rel, codes in [(b"a/link/f", symlink), (b"a/relative/f", symlink), (b"a/file_link", {errno.ELOOP}),
+                       (b"a/b/f/g", {errno.ENOTDIR}), (b"a/missing/f", {errno.ENOENT})]:
+        with pytest.raises(OSError) as raised:
+            opener(root, rel, flags)
+        assert raised.value.errno in codes, rel
 
 
 @pytest.mark.parametrize(
