@@ -129,10 +129,12 @@ class HubMetrics:
             ["result"],
             registry=registry,
         )
-        self.checksum_hashed_bytes = Counter(
-            f"{PREFIX}_checksum_hashed_bytes",
-            "Bytes read and hashed to compute block checksums (each block once while it is "
-            "remembered; concurrent requests for it share one computation)",
+        self.hashed_bytes = Counter(
+            f"{PREFIX}_hashed_bytes",
+            "Bytes read and hashed, by the endpoint whose request hashed them: block checksums "
+            "(each block once while it is remembered; concurrent requests for it share one "
+            "computation) and the files of batches",
+            ["endpoint"],
             registry=registry,
         )
         self.snapshot_info = Gauge(
@@ -170,6 +172,8 @@ class HubMetrics:
         # over a fresh hub has a starting point.
         for endpoint in ENDPOINTS:
             self.sent_bytes.labels(endpoint)
+        for endpoint in (ENDPOINT_FILES, ENDPOINT_CHECKSUMS, ENDPOINT_BATCH):
+            self.hashed_bytes.labels(endpoint)
         for result in ("ok", "error"):
             self.token_reloads.labels(result)
 
@@ -191,6 +195,10 @@ class HubMetrics:
         self.snapshot_entries.set(entries)
         self.snapshot_scan_seconds.set(scan_s)
         self.snapshot_timestamp_seconds.set(finished_at_s)
+
+    def count_hashed(self, endpoint: str, size_bytes: int) -> None:
+        """Count bytes read and hashed for a request to `endpoint`."""
+        self.hashed_bytes.labels(endpoint).inc(size_bytes)
 
     def observe_request(self, endpoint: str, status: str, duration_s: float, body_bytes: int) -> None:
         """Count one answered request."""
