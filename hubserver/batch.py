@@ -33,7 +33,8 @@ import xxhash
 from aiohttp import web
 
 from hubserver.checksums import block_bytes_param
-from hubserver.fairness import PerClientTurns, request_client
+from hubserver.clients import request_client
+from hubserver.fairness import PerClientTurns
 from hubserver.handlers import (
     IMMUTABLE_CACHE_CONTROL,
     SNAPSHOT_KEY,

@@ -36,7 +36,8 @@ import xxhash
 from aiohttp import web
 
 from hubserver import handlers
-from hubserver.fairness import PerClientTurns, request_client
+from hubserver.clients import request_client
+from hubserver.fairness import PerClientTurns
 from hubserver.handlers import SNAPSHOT_KEY, HubHTTPError, json_error, unavailable
 from hubserver.manifest import (
     FileChangedError,

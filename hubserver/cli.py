@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="connections beyond N from one client address (an IPv6 client: its /64) get a 503 and are closed "
-        "(default: three quarters of --max-connections; a regional cache or a NAT gateway in front of the spokes "
+        "(default: half of --max-connections; a regional cache or a NAT gateway in front of the spokes "
         "is one client)",
     )
     limits.add_argument(

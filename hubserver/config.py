@@ -72,9 +72,9 @@ class HubConfig:
     # --- limits against hostile or broken clients -------------------------
     # Connections beyond this many get a 503 and are closed.
     max_connections: int = DEFAULT_MAX_CONNECTIONS
-    # ... and beyond this many from one client address (None: three quarters
-    # of max_connections, rounded up), so that one client cannot take them
-    # all. A regional cache in front of the hub is one address for all its spokes.
+    # ... and beyond this many from one client address (None: half of
+    # max_connections), so that two clients cannot take them all. A regional
+    # cache in front of the hub is one address for all its spokes.
     max_connections_per_client: int | None = None
     # A connection must finish its TLS handshake this soon after it opens, and
     # deliver a complete request head this soon after that and after the first

@@ -13,15 +13,6 @@ import collections
 import contextlib
 from collections.abc import AsyncIterator
 
-from aiohttp import web
-
-from hubserver.server import client_of
-
-
-def request_client(request: web.BaseRequest) -> str:
-    """The client a request comes from, as the connection limits count it."""
-    return client_of(request.remote or "-")
-
 
 class PerClientTurns:
     """At most `per_client` jobs of one client at once; its further jobs wait (in the

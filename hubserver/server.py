@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ipaddress
 import logging
 import re
 import socket
@@ -51,6 +50,7 @@ from aiohttp.http_exceptions import (
 from aiohttp.web_protocol import RequestHandler
 
 from hubserver.auth import IDENTITY_KEY, client_cert_name
+from hubserver.clients import client_of
 from hubserver.config import HubConfig
 from hubserver.handlers import (
     BODY_BYTES_KEY,
@@ -252,6 +252,12 @@ def make_observe_middleware(
 # --------------------------------------------------------------- connections
 
 
+def default_per_client(max_connections: int) -> int:
+    """--max-connections-per-client when not given: half the total, so that two
+    clients never take every connection."""
+    return max(1, max_connections // 2)
+
+
 class ConnectionLimits:
     """What all connections of one listening socket share."""
 
@@ -260,7 +266,7 @@ class ConnectionLimits:
         # the limits hold for connections still in their handshake too.
         self.ssl_context = ssl_context
         self.max_connections = config.max_connections
-        self.max_per_client = config.max_connections_per_client or -(-3 * config.max_connections // 4)
+        self.max_per_client = config.max_connections_per_client or default_per_client(config.max_connections)
         self._per_client: collections.Counter[str] = collections.Counter()  # open connections by address
         self.header_timeout_s = config.header_timeout_s
         self.send_timeout_ms = max(1, round(config.send_timeout_s * 1000))
@@ -486,21 +492,6 @@ def _set_send_timeout(transport: asyncio.BaseTransport, timeout_ms: int) -> None
         sock.setsockopt(socket.IPPROTO_TCP, option, timeout_ms)
     except OSError as exc:
         LOG.debug("cannot set TCP_USER_TIMEOUT: %s", exc)
-
-
-def client_of(host: str) -> str:
-    """The client a connection's address belongs to, for the per-client limit: an IPv4
-    address (also one a dual-stack socket shows as ::ffff:a.b.c.d), or an IPv6 address's
-    /64 (one host or LAN gets a whole /64 and picks addresses in it at will)."""
-    try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host
-    if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            return str(address.ipv4_mapped)
-        return str(ipaddress.IPv6Network((address, 64), strict=False))
-    return str(address)
 
 
 def _peer_address(transport: asyncio.BaseTransport) -> tuple[str, int] | None:

@@ -50,7 +50,7 @@ from hypothesis import strategies as st
 from hubserver.auth import TokenFileError, TokenStore, read_token_file
 from hubserver.beneath import open_beneath, open_walking
 from hubserver.cli import main
-from hubserver.server import client_of
+from hubserver.clients import client_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -668,7 +668,7 @@ def held_connections(hub: HubProcess, count: int) -> list[http.client.HTTPConnec
 
 
 def test_connections_beyond_the_limit_get_503(dataset: Dataset) -> None:
-    with running_hub(dataset.root, ["--max-connections", "2"]) as hub:
+    with running_hub(dataset.root, ["--max-connections", "2", "--max-connections-per-client", "2"]) as hub:
         held = held_connections(hub, 2)
         try:
             data, closed = raw_exchange(hub.host, hub.port, b"GET /healthz HTTP/1.1\r\nHost: hub\r\n\r\n")
@@ -705,6 +705,23 @@ def test_one_client_cannot_take_every_connection(dataset: Dataset) -> None:
                 conn.close()
         assert wait_until(lambda: healthz_status(hub) == 200, 5)  # their slots are free again
     assert "refusing connections: 2 open from 127.0.0.1, the most --max-connections-per-client allows" in hub.stderr_text()
+
+
+def test_two_clients_cannot_take_every_connection_by_default(dataset: Dataset) -> None:
+    """Without --max-connections-per-client, one address gets half of --max-connections
+    (it used to be three quarters: two addresses took them all)."""
+    with running_hub(dataset.root, ["--max-connections", "4"]) as hub:
+        held = held_connections(hub, 2)
+        try:
+            data, closed = raw_exchange(hub.host, hub.port, b"GET /healthz HTTP/1.1\r\nHost: hub\r\n\r\n")
+            assert closed and data.startswith(b"HTTP/1.1 503 "), data[:100]
+            with socket.create_connection((hub.host, hub.port), timeout=5, source_address=("127.0.0.2", 0)) as other:
+                other.sendall(b"GET /healthz HTTP/1.1\r\nHost: hub\r\nConnection: close\r\n\r\n")
+                assert other.makefile("rb").readline().startswith(b"HTTP/1.1 200 ")
+        finally:
+            for conn in held:
+                conn.close()
+    assert "2 open from 127.0.0.1, the most --max-connections-per-client allows" in hub.stderr_text()
 
 
 def hub_open_fds(hub: HubProcess) -> int:
