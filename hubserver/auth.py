@@ -36,6 +36,7 @@ from hubserver.metrics import (
     AUTH_MISSING,
     ENDPOINT_HEALTHZ,
     ENDPOINT_METRICS,
+    ENDPOINT_RESCAN,
     HubMetrics,
 )
 
@@ -173,10 +174,12 @@ class TokenStore:
 class HubAuth:
     """Which token store guards which endpoints. None: open."""
 
-    # Everything except /healthz and /metrics.
+    # Everything except /healthz, /metrics and POST /v1/rescan.
     data: TokenStore | None = None
     # /metrics.
     metrics: TokenStore | None = None
+    # POST /v1/rescan. Without it, rescans are open only on a hub without data tokens.
+    admin: TokenStore | None = None
 
     @classmethod
     def from_config(cls, config: HubConfig) -> HubAuth:
@@ -184,10 +187,11 @@ class HubAuth:
         return cls(
             data=TokenStore.load(config.token_file) if config.token_file else None,
             metrics=TokenStore.load(config.metrics_token_file) if config.metrics_token_file else None,
+            admin=TokenStore.load(config.admin_token_file) if config.admin_token_file else None,
         )
 
     def stores(self) -> list[TokenStore]:
-        return [store for store in (self.data, self.metrics) if store is not None]
+        return [store for store in (self.data, self.metrics, self.admin) if store is not None]
 
     def reload(self, metrics: HubMetrics | None = None) -> None:
         """Reload every token file (SIGHUP); log the outcome of each."""
@@ -248,8 +252,10 @@ def make_auth_middleware(auth: HubAuth, metrics: HubMetrics) -> Callable[..., Aw
     """The middleware that answers 401 to requests without a valid token.
 
     /healthz is always open; /metrics needs a token of ``auth.metrics`` if
-    set; any other path (unknown ones too, so that nothing can be probed)
-    needs a token of ``auth.data`` if set.
+    set; POST /v1/rescan one of ``auth.admin`` (and is refused, 403, on a hub
+    with data tokens but no admin tokens: a data token does not allow it); any
+    other path (unknown ones too, so that nothing can be probed) needs a token
+    of ``auth.data`` if set.
     """
 
     @web.middleware
@@ -257,7 +263,13 @@ def make_auth_middleware(auth: HubAuth, metrics: HubMetrics) -> Callable[..., Aw
         endpoint = endpoint_of(request)
         if endpoint == ENDPOINT_HEALTHZ:
             return await handler(request)
-        store = auth.metrics if endpoint == ENDPOINT_METRICS else auth.data
+        store = auth.data
+        if endpoint == ENDPOINT_METRICS:
+            store = auth.metrics
+        elif endpoint == ENDPOINT_RESCAN:
+            if auth.admin is None and auth.data is not None:
+                return json_error(403, "POST /v1/rescan needs an admin token, and this hub has no --admin-token-file")
+            store = auth.admin
         if store is None:
             return await handler(request)
         token, reason = bearer_token(request)

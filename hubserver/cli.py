@@ -134,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="protect /metrics with the tokens of FILE, same format (default: /metrics is open)",
     )
+    security.add_argument(
+        "--admin-token-file",
+        type=Path,
+        metavar="FILE",
+        help="allow POST /v1/rescan to the tokens of FILE, same format; data tokens never allow it "
+        "(default: refused with --token-file, open without)",
+    )
     security.add_argument("--tls-cert", type=Path, metavar="FILE", help="serve HTTPS with this PEM certificate chain")
     security.add_argument("--tls-key", type=Path, metavar="FILE", help="PEM private key of --tls-cert (unencrypted)")
     security.add_argument(
@@ -351,6 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log_level=args.log_level,
             token_file=args.token_file,
             metrics_token_file=args.metrics_token_file,
+            admin_token_file=args.admin_token_file,
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,

@@ -63,6 +63,10 @@ class HubConfig:
     rescan_interval_s: float | None = None
     # Same format; when set, /metrics needs a token from this file.
     metrics_token_file: Path | None = None
+    # Same format; when set, POST /v1/rescan needs a token from this file (a
+    # data token does not allow it). Without it, rescans over HTTP are refused
+    # when token_file is set, open otherwise.
+    admin_token_file: Path | None = None
     # PEM certificate chain and private key: serve HTTPS instead of HTTP.
     tls_cert: Path | None = None
     tls_key: Path | None = None

@@ -308,6 +308,29 @@ def test_metrics_token_file_alone_leaves_data_open(dataset: Dataset, tmp_path: P
 # --------------------------------------------------------------- CLI errors
 
 
+ADMIN_TOKEN = "operator-rescan-token-0123456789"
+
+
+def test_rescan_needs_an_admin_token_not_a_data_token(dataset: Dataset, token_file: Path, tmp_path: Path) -> None:
+    """POST /v1/rescan is its own permission: a data token does not allow it; a token of
+    --admin-token-file does, and opens nothing else."""
+    admin_tokens = write_token_file(tmp_path / "admin-tokens", f"operator:{ADMIN_TOKEN}\n")
+    with running_hub(dataset.root, ["--token-file", str(token_file)]) as hub:
+        refused = http_get(hub, "/v1/rescan", bearer(ALICE), method="POST")
+        assert_json_error(refused, 403)
+        assert "--admin-token-file" in refused.json()["error"]
+    args = ["--token-file", str(token_file), "--admin-token-file", str(admin_tokens)]
+    with running_hub(dataset.root, args) as hub:
+        assert_json_error(http_get(hub, "/v1/rescan", bearer(ALICE), method="POST"), 401)
+        assert_json_error(http_get(hub, "/v1/rescan", method="POST"), 401)
+        rescanned = http_get(hub, "/v1/rescan", bearer(ADMIN_TOKEN), method="POST")
+        assert rescanned.status == 200 and rescanned.json()["rescanned"] is True
+        assert_json_error(http_get(hub, "/v1/manifest", bearer(ADMIN_TOKEN)), 401)
+        assert http_get(hub, "/v1/manifest", bearer(ALICE)).status == 200
+        assert wait_until(lambda: ' operator "POST /v1/rescan HTTP/1.1" 200 ' in hub.stderr_text(), 5)
+    assert ADMIN_TOKEN not in hub.stderr_text()
+
+
 def assert_one_line_error(result, *needles: str) -> None:
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
