@@ -47,7 +47,7 @@ from hub_helpers import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hubserver.auth import TokenFileError, TokenStore, read_token_file
+from hubserver.auth import RefusalLog, TokenFileError, TokenStore, read_token_file
 from hubserver.beneath import open_beneath, open_walking
 from hubserver.cli import main
 from hubserver.clients import client_of
@@ -216,18 +216,42 @@ def test_healthz_and_metrics_stay_open(auth_hub: HubProcess) -> None:
     assert http_get(auth_hub, "/metrics").status == 200  # no --metrics-token-file
 
 
-def test_log_names_the_client_never_the_token(auth_hub: HubProcess, manifest: Manifest) -> None:
+def test_log_names_the_client_never_the_token(dataset: Dataset, token_file: Path, manifest: Manifest) -> None:
     big = manifest.file("big.bin")
-    assert http_get(auth_hub, file_url(big), {**bearer(BOB), "Range": "bytes=0-9"}).status == 206
-    assert http_get(auth_hub, file_url(big), bearer(WRONG)).status == 401
-    pattern = re.compile(rf'127\.0\.0\.1 bob "GET /v1/files/{big["i"]}\?v={big["v"]} HTTP/1\.1" 206 10 ')
-    assert wait_until(lambda: pattern.search(auth_hub.stderr_text()) is not None, 5)
-    assert wait_until(lambda: "rejected GET /v1/files/" in auth_hub.stderr_text(), 5)
-    log = auth_hub.stderr_text()
+    with running_hub(dataset.root, ["--token-file", str(token_file)]) as hub:
+        assert http_get(hub, file_url(big), {**bearer(BOB), "Range": "bytes=0-9"}).status == 206
+        assert http_get(hub, file_url(big), bearer(WRONG)).status == 401
+        pattern = re.compile(rf'127\.0\.0\.1 bob "GET /v1/files/{big["i"]}\?v={big["v"]} HTTP/1\.1" 206 10 ')
+        assert wait_until(lambda: pattern.search(hub.stderr_text()) is not None, 5)
+        assert wait_until(lambda: "rejected GET /v1/files/" in hub.stderr_text(), 5)
+    log = hub.stderr_text()
     assert "unknown token" in log
     for token in (ALICE, BOB, WRONG):
         assert token not in log
     assert "Traceback" not in log
+
+
+def test_a_client_s_401s_are_logged_once_a_minute_and_all_counted(dataset: Dataset, token_file: Path) -> None:
+    with running_hub(dataset.root, ["--token-file", str(token_file)]) as hub:
+        for _ in range(20):
+            assert http_get(hub, "/v1/manifest", bearer(WRONG)).status == 401
+        with socket.create_connection((hub.host, hub.port), timeout=5, source_address=("127.0.0.2", 0)) as other:
+            other.sendall(b"GET /v1/manifest HTTP/1.1\r\nHost: hub\r\nConnection: close\r\n\r\n")
+            assert other.makefile("rb").readline().startswith(b"HTTP/1.1 401 ")
+        failures = sample(scrape_metrics(hub), "cachefs_hub_auth_failures_total", endpoint="manifest", reason="invalid")
+        assert wait_until(lambda: "from 127.0.0.2" in hub.stderr_text(), 5)
+    rejections = [line for line in hub.stderr_text().splitlines() if " rejected " in line]
+    assert failures == 20
+    assert len(rejections) == 2, rejections  # one for each client
+
+
+def test_a_client_s_next_report_a_minute_later_says_how_many_were_not_logged() -> None:
+    refusals = RefusalLog(interval_s=60)
+    assert refusals.due("192.0.2.1", now=0) == 0
+    assert [refusals.due("192.0.2.1", now=t) for t in (1, 30, 59.9)] == [None, None, None]
+    assert refusals.due("192.0.2.2", now=30) == 0  # another client has its own minute
+    assert refusals.due("192.0.2.1", now=60) == 3
+    assert refusals.due("192.0.2.1", now=61) is None
 
 
 def test_auth_failures_are_counted_by_endpoint_and_reason(auth_hub: HubProcess) -> None:
