@@ -49,7 +49,7 @@ from hypothesis import strategies as st
 
 from hubserver.auth import RefusalLog, TokenFileError, TokenStore, read_token_file
 from hubserver.beneath import open_beneath, open_walking
-from hubserver.cli import main
+from hubserver.cli import exposure_warning, main
 from hubserver.clients import client_of
 
 pytestmark = pytest.mark.timeout(60)
@@ -657,6 +657,40 @@ def test_a_burst_of_idle_connects_holds_no_more_descriptors_than_a_tls_hub_allow
         assert wait_until(lambda: healthz_status(hub, pki.client_context()) == 200, 5)
         assert sample(scrape_metrics(hub, ssl_context=pki.client_context()), "cachefs_hub_refused_connections_total") >= 50
     assert "Traceback" not in hub.stderr_text()
+
+
+@pytest.mark.parametrize(
+    ("listen", "args", "warning"),
+    [
+        ("0.0.0.0:0", [], "without --token-file or TLS: anyone who can reach it can read the whole dataset"),
+        ("[::]:0", ["--token-file"], "without TLS: the spokes' tokens and the data cross the network unencrypted"),
+        ("0.0.0.0:0", ["--tls"], "without --token-file or --tls-client-ca"),
+        ("0.0.0.0:0", ["--token-file", "--tls"], None),
+        ("127.0.0.1:0", [], None),
+    ],
+    ids=["open", "tokens-only", "tls-only", "both", "loopback"],
+)
+def test_a_hub_open_to_the_network_says_so_once(dataset: Dataset, token_file: Path, pki: PKI, listen, args, warning) -> None:
+    """Listening on a non-loopback address without tokens or TLS is one clear warning at
+    start (in a network namespace of its own, so nothing outside can reach it)."""
+    options = {"--token-file": ["--token-file", str(token_file)], "--tls": tls_args(pki)}
+    extra = ["--listen", listen, *(word for arg in args for word in options[arg])]
+    with running_hub(dataset.root, extra, wrapper=["unshare", "--net", "--map-root-user"]) as hub:
+        assert hub.wait_for_stderr("scanned ")
+    log = hub.stderr_text()
+    warnings = [line for line in log.splitlines() if "not a loopback address" in line]
+    if warning is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and warning in warnings[0] and " WARNING " in warnings[0], warnings
+
+
+def test_every_loopback_address_is_loopback_and_no_other() -> None:
+    for host in ("127.0.0.1", "127.1.2.3", "::1", "::ffff:127.0.0.1"):
+        assert exposure_warning(host, False, False) is None, host
+    for host in ("0.0.0.0", "::", "192.0.2.7", "2001:db8::1", "fe80::1%eth0"):
+        assert exposure_warning(host, False, False) is not None, host
+    assert exposure_warning("192.0.2.7", True, True) is None
 
 
 # --------------------------------------------------------------- limits
