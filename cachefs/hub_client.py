@@ -198,7 +198,7 @@ class HubClient:
         One request; exactly those bytes or an error. Receiving into one
         buffer per piece (a block, for the cache) avoids copying them apart.
         With `sums_block_size`, the hub also sends the checksums of the blocks
-        of that size the range overlaps: returned by block number (empty if
+        of that size the range covers whole: returned by block number (empty if
         the answer had none).
         """
         length = sum(lengths)
