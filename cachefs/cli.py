@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import select
+import stat
 import subprocess
 import sys
 import time
@@ -42,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument("hub_url", metavar="HUB_URL", help="the hub, e.g. http://hub.example:8470")
     mount.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path, help="an existing empty directory")
     mount.add_argument("--cache-dir", required=True, type=Path,
-                       help="where cached blocks and metadata live (created 0700), on a local disk or tmpfs: "
-                            "network file systems and ramfs are refused")
+                       help="where cached blocks and metadata live (made 0700; owned by the daemon's user), "
+                            "on a local disk or tmpfs: network file systems and ramfs are refused")
     mount.add_argument("--cache-size", default="10G", help="upper bound for cached block bytes (default: 10G)")
     mount.add_argument("--block-size", default="1M", help="cache block size, a power of two from 64K to 64M (default: 1M)")
     mount.add_argument("--max-connections", type=int, default=64, help="concurrent connections to the hub (default: 64)")
@@ -200,6 +201,7 @@ def _prepare_cache_dir(path: Path) -> None:
         raise UsageError(f"cannot create cache dir {path}: {exc.strerror}") from None
     if not path.is_dir():
         raise UsageError(f"cache dir {path} is not a directory")
+    _make_private(path)
     probe = path / f".write-test.{os.getpid()}"
     try:
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -215,6 +217,26 @@ def _prepare_cache_dir(path: Path) -> None:
             f"cache dir {path} is on a file system that cannot free part of a file (fallocate punch hole: "
             f"{os.strerror(errno.EOPNOTSUPP)}), so evicted blocks would never give their space back; use a disk or tmpfs"
         )
+
+
+def _make_private(path: Path) -> None:
+    """Only the daemon's user may enter the cache dir: its index names every path and size of
+    the dataset, its data files hold the bytes. A dir made by someone else is refused; one
+    open to others (a Kubernetes DirectoryOrCreate hostPath is 0755) is made 0700."""
+    info = path.stat()
+    if info.st_uid != os.geteuid():
+        raise UsageError(
+            f"cache dir {path} is owned by uid {info.st_uid}, not by this daemon's uid {os.geteuid()}: "
+            "its cached data must be private; chown it or use another cache dir"
+        )
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o077:
+        try:
+            os.chmod(path, 0o700)
+        except OSError as exc:
+            raise UsageError(f"cache dir {path} is open to other users (mode {mode:04o}) and cannot be made 0700: "
+                             f"{exc.strerror}") from None
+        log.warning("cache dir %s was open to other users (mode %04o): made it 0700", path, mode)
 
 
 def _mount(args: argparse.Namespace, argv: list[str]) -> int:
@@ -259,8 +281,8 @@ def _start_background(config: MountConfig, argv: list[str], timeout_s: float) ->
     """Start the daemon detached and wait until it reports the mount live (or an error)."""
     read_end, write_end = os.pipe()
     log_path = config.cache_dir / LOG_FILE
-    with open(log_path, "ab") as log_file:
-        os.chmod(log_path, 0o600)
+    with open(log_path, "ab", opener=lambda name, flags: os.open(name, flags, 0o600)) as log_file:
+        os.chmod(log_path, 0o600)  # made by an older cachefs, or under another umask
         child = subprocess.Popen(
             [sys.executable, "-m", "cachefs", *argv, "--ready-fd", str(write_end)],
             pass_fds=(write_end,),

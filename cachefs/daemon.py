@@ -115,6 +115,7 @@ def tune_malloc() -> None:
 def run_daemon(config: MountConfig, notify: Notify) -> int:
     """Mount and serve until unmounted or signalled. Returns the exit status."""
     tune_malloc()
+    os.umask(0o077)  # every file the daemon and its children create in the cache dir is theirs alone
     lock = CacheDirLock(config.cache_dir)
     try:
         namespace_db, index_db = _open_databases(config)
