@@ -219,6 +219,20 @@ def _prepare_cache_dir(path: Path) -> None:
         )
 
 
+def _warn_if_token_in_clear(config: MountConfig) -> None:
+    """One warning at start when the bearer token would cross the network unencrypted.
+
+    A loopback hub URL is warned about too: the spoke cannot tell a hub on this
+    host from a forwarder (socat, a sidecar) that carries the token on in clear.
+    """
+    if config.token and not config.hub_url.tls:
+        log.warning(
+            "the hub token goes to %s unencrypted: anyone on the network path can read and reuse it, and can "
+            "change the data in transit (the block checksums come over the same connection, so they do not "
+            "catch that); use an https:// hub URL", config.hub_url,
+        )
+
+
 def _make_private(path: Path) -> None:
     """Only the daemon's user may enter the cache dir: its index names every path and size of
     the dataset, its data files hold the bytes. A dir made by someone else is refused; one
@@ -243,12 +257,14 @@ def _mount(args: argparse.Namespace, argv: list[str]) -> int:
     config = _config_from_args(args)
     if args.ready_fd is None:
         _setup_logging(config.debug, None)
+        _warn_if_token_in_clear(config)
         prepare_mountpoint(config.mountpoint)
         _prepare_cache_dir(config.cache_dir)
         if not config.foreground:
             return _start_background(config, argv, args.mount_timeout)
         return _run_foreground(config, notify=lambda _message: None)
     _setup_logging(config.debug, config.cache_dir / LOG_FILE)
+    _warn_if_token_in_clear(config)  # in the daemon's log too: its user may never see the terminal's
     ready = os.fdopen(args.ready_fd, "w")
 
     def notify(message: str) -> None:

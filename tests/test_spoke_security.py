@@ -72,6 +72,32 @@ def test_token_is_required_and_never_shown(dataset: Path, tmp_path: Path) -> Non
                                      "--token-file", loose), "chmod 600")
 
 
+PLAIN_HTTP_WARNING = "the hub token goes to"
+
+
+def test_a_token_over_plain_http_is_warned_about_once(dataset: Path, tmp_path: Path) -> None:
+    """Once on the terminal of `cachefs mount`, once in the daemon's log; the token in neither."""
+    tokens = write_private(tmp_path / "hub-tokens", f"spoke-a:{TOKEN}\n")
+    token_file = write_private(tmp_path / "token", TOKEN + "\n")
+    with running_hub(dataset, ["--token-file", str(tokens)]) as hub:
+        (tmp_path / "mnt").mkdir()
+        mounted = run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", tmp_path / "cache", *SPOKE_ARGS,
+                              "--token-file", token_file)
+        spoke = SpokeMount(tmp_path / "mnt", tmp_path / "cache", daemon_pid(tmp_path / "cache"))
+        try:
+            assert mounted.returncode == 0, mounted.stderr
+            relative = "shards/shard-000.bin"
+            assert (spoke.mountpoint / relative).read_bytes() == (dataset / relative).read_bytes()
+            (warning,) = [line for line in mounted.stderr.splitlines() if PLAIN_HTTP_WARNING in line]
+            assert "unencrypted" in warning and "checksums" in warning and "https://" in warning
+            assert spoke.log_text().count(PLAIN_HTTP_WARNING) == 1
+            assert TOKEN not in mounted.stderr + mounted.stdout + spoke.log_text()
+        finally:
+            spoke.unmount()
+    with running_hub(dataset) as open_hub, mounted_spoke(open_hub.url, tmp_path, SPOKE_ARGS, name="m2") as spoke:
+        assert PLAIN_HTTP_WARNING not in spoke.log_text()  # no token, nothing secret to give away
+
+
 def make_ca(tmp_path: Path, name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
