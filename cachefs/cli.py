@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mount.add_argument(
         "--fetch-timeout", type=float, default=30.0, metavar="SECONDS",
-        help="a read needing the hub fails with EIO after this long, retries included (default: 30)",
+        help="a read needing the hub fails with EIO within this long plus up to a second, retries included "
+        "(default: 30)",
     )
     mount.add_argument(
         "--refresh-interval", type=float, default=None, metavar="SECONDS",

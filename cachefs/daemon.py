@@ -33,6 +33,7 @@ from .errors import CacheDirInUse, CachefsError, UsageError
 from .fetcher import Fetcher
 from .fs import CachefsOperations
 from .hub_client import HubClient
+from .hub_silence import HubSilence
 from .metrics import Stats, serve_metrics, training_gauges
 from .mountpoints import find_mount
 from .namespace import Changes, Namespace
@@ -211,6 +212,7 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
                 reader,
                 passthrough,
                 stats,
+                HubSilence(lambda: client.answers),
                 uid=os.getuid(),
                 gid=os.getgid(),
                 attr_timeout_s=config.attr_timeout_s,
