@@ -202,7 +202,7 @@ def _prepare_cache_dir(path: Path) -> None:
         raise UsageError(f"cannot create cache dir {path}: {exc.strerror}") from None
     if not path.is_dir():
         raise UsageError(f"cache dir {path} is not a directory")
-    _make_private(path)
+    _check_owner(path)
     probe = path / f".write-test.{os.getpid()}"
     try:
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -218,6 +218,7 @@ def _prepare_cache_dir(path: Path) -> None:
             f"cache dir {path} is on a file system that cannot free part of a file (fallocate punch hole: "
             f"{os.strerror(errno.EOPNOTSUPP)}), so evicted blocks would never give their space back; use a disk or tmpfs"
         )
+    _make_private(path)  # after the checks above: a directory that cannot be a cache dir is left as it is
 
 
 def _warn_if_token_in_clear(config: MountConfig) -> None:
@@ -234,24 +235,42 @@ def _warn_if_token_in_clear(config: MountConfig) -> None:
         )
 
 
-def _make_private(path: Path) -> None:
-    """Only the daemon's user may enter the cache dir: its index names every path and size of
-    the dataset, its data files hold the bytes. A dir made by someone else is refused; one
-    open to others (a Kubernetes DirectoryOrCreate hostPath is 0755) is made 0700."""
-    info = path.stat()
-    if info.st_uid != os.geteuid():
+# Names of a cache dir that cachefs used before: one open to others is made
+# private only when it is one of these, or empty.
+_CACHE_DIR_MARKERS = ("lock", "index.lmdb", LOG_FILE)
+
+
+def _check_owner(path: Path) -> None:
+    """The cache dir must be the daemon user's own: it holds the dataset's paths and bytes."""
+    owner = path.stat().st_uid
+    if owner != os.geteuid():
         raise UsageError(
-            f"cache dir {path} is owned by uid {info.st_uid}, not by this daemon's uid {os.geteuid()}: "
+            f"cache dir {path} is owned by uid {owner}, not by this daemon's uid {os.geteuid()}: "
             "its cached data must be private; chown it or use another cache dir"
         )
-    mode = stat.S_IMODE(info.st_mode)
-    if mode & 0o077:
-        try:
-            os.chmod(path, 0o700)
-        except OSError as exc:
-            raise UsageError(f"cache dir {path} is open to other users (mode {mode:04o}) and cannot be made 0700: "
-                             f"{exc.strerror}") from None
-        log.warning("cache dir %s was open to other users (mode %04o): made it 0700", path, mode)
+
+
+def _make_private(path: Path) -> None:
+    """Only the daemon's user may enter the cache dir: its index names every path and size of
+    the dataset, its data files hold the bytes. One open to others (a Kubernetes
+    DirectoryOrCreate hostPath is 0755) is made 0700 if it is empty or a cache dir
+    already; any other directory is refused, not changed."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if not mode & 0o077:
+        return
+    with os.scandir(path) as entries:
+        names = {entry.name for entry in entries} - {"lost+found"}  # the root of a fresh file system
+    if names and not names.intersection(_CACHE_DIR_MARKERS):
+        raise UsageError(
+            f"cache dir {path} is open to other users (mode {mode:04o}) and holds files cachefs did not make: "
+            "give cachefs a directory of its own, or chmod 700 this one"
+        )
+    try:
+        os.chmod(path, 0o700)
+    except OSError as exc:
+        raise UsageError(f"cache dir {path} is open to other users (mode {mode:04o}) and cannot be made 0700: "
+                         f"{exc.strerror}") from None
+    log.warning("cache dir %s was open to other users (mode %04o): made it 0700", path, mode)
 
 
 def _mount(args: argparse.Namespace, argv: list[str]) -> int:

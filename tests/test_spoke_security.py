@@ -341,3 +341,13 @@ def test_a_cache_dir_of_another_user_is_refused(tmp_path: Path) -> None:
     refused = run_cachefs("mount", "http://127.0.0.1:1", tmp_path / "m", "--cache-dir", cache_dir)
     assert_clean_failure(refused, str(cache_dir), "owned by uid 65534")
     assert stat.S_IMODE(cache_dir.stat().st_mode) == 0o755 and not any(cache_dir.iterdir())
+
+
+def test_a_directory_open_to_others_that_is_not_a_cache_dir_is_refused_unchanged(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    (shared / "notes.txt").write_text("not cachefs's\n")
+    (tmp_path / "m").mkdir()
+    refused = run_cachefs("mount", "http://127.0.0.1:1", tmp_path / "m", "--cache-dir", shared)
+    assert_clean_failure(refused, str(shared), "holds files cachefs did not make")
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o755 and [p.name for p in shared.iterdir()] == ["notes.txt"]
