@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import select
+import stat
 import subprocess
 import sys
 import time
@@ -54,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument("hub_url", metavar="HUB_URL", help="the hub, e.g. http://hub.example:8470")
     mount.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path, help="an existing empty directory")
     mount.add_argument("--cache-dir", required=True, type=Path,
-                       help="where cached blocks and metadata live (created 0700), on a local disk or tmpfs: "
-                            "network file systems and ramfs are refused")
+                       help="where cached blocks and metadata live (made 0700; owned by the daemon's user), "
+                            "on a local disk or tmpfs: network file systems and ramfs are refused")
     mount.add_argument("--cache-size", default="10G", help="upper bound for cached block bytes (default: 10G)")
     mount.add_argument("--block-size", default="1M", help="cache block size, a power of two from 64K to 64M (default: 1M)")
     mount.add_argument("--max-connections", type=int, default=64, help="concurrent connections to the hub (default: 64)")
@@ -71,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mount.add_argument(
         "--fetch-timeout", type=float, default=30.0, metavar="SECONDS",
-        help="a read needing the hub fails with EIO after this long, retries included (default: 30)",
+        help="a read needing the hub fails with EIO within this long plus up to a second, retries included "
+        "(default: 30)",
     )
     mount.add_argument(
         "--refresh-interval", type=float, default=None, metavar="SECONDS",
@@ -224,6 +226,7 @@ def _prepare_cache_dir(path: Path) -> None:
         raise UsageError(f"cannot create cache dir {path}: {exc.strerror}") from None
     if not path.is_dir():
         raise UsageError(f"cache dir {path} is not a directory")
+    _check_owner(path)
     probe = path / f".write-test.{os.getpid()}"
     try:
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -239,6 +242,59 @@ def _prepare_cache_dir(path: Path) -> None:
             f"cache dir {path} is on a file system that cannot free part of a file (fallocate punch hole: "
             f"{os.strerror(errno.EOPNOTSUPP)}), so evicted blocks would never give their space back; use a disk or tmpfs"
         )
+    _make_private(path)  # after the checks above: a directory that cannot be a cache dir is left as it is
+
+
+def _warn_if_token_in_clear(config: MountConfig) -> None:
+    """One warning at start when the bearer token would cross the network unencrypted.
+
+    A loopback hub URL is warned about too: the spoke cannot tell a hub on this
+    host from a forwarder (socat, a sidecar) that carries the token on in clear.
+    """
+    if config.token and not config.hub_url.tls:
+        log.warning(
+            "the hub token goes to %s unencrypted: anyone on the network path can read and reuse it, and can "
+            "change the data in transit (the block checksums come over the same connection, so they do not "
+            "catch that); use an https:// hub URL", config.hub_url,
+        )
+
+
+# Names of a cache dir that cachefs used before: one open to others is made
+# private only when it is one of these, or empty.
+_CACHE_DIR_MARKERS = ("lock", "index.lmdb", LOG_FILE)
+
+
+def _check_owner(path: Path) -> None:
+    """The cache dir must be the daemon user's own: it holds the dataset's paths and bytes."""
+    owner = path.stat().st_uid
+    if owner != os.geteuid():
+        raise UsageError(
+            f"cache dir {path} is owned by uid {owner}, not by this daemon's uid {os.geteuid()}: "
+            "its cached data must be private; chown it or use another cache dir"
+        )
+
+
+def _make_private(path: Path) -> None:
+    """Only the daemon's user may enter the cache dir: its index names every path and size of
+    the dataset, its data files hold the bytes. One open to others (a Kubernetes
+    DirectoryOrCreate hostPath is 0755) is made 0700 if it is empty or a cache dir
+    already; any other directory is refused, not changed."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if not mode & 0o077:
+        return
+    with os.scandir(path) as entries:
+        names = {entry.name for entry in entries} - {"lost+found"}  # the root of a fresh file system
+    if names and not names.intersection(_CACHE_DIR_MARKERS):
+        raise UsageError(
+            f"cache dir {path} is open to other users (mode {mode:04o}) and holds files cachefs did not make: "
+            "give cachefs a directory of its own, or chmod 700 this one"
+        )
+    try:
+        os.chmod(path, 0o700)
+    except OSError as exc:
+        raise UsageError(f"cache dir {path} is open to other users (mode {mode:04o}) and cannot be made 0700: "
+                         f"{exc.strerror}") from None
+    log.warning("cache dir %s was open to other users (mode %04o): made it 0700", path, mode)
 
 
 class InvalidOptionValue(UsageError):
@@ -254,12 +310,14 @@ def _mount(args: argparse.Namespace, argv: list[str]) -> int:
     if args.ready_fd is None:
         _check_fuse_installed()
         _setup_logging(config.debug, None)
+        _warn_if_token_in_clear(config)
         prepare_mountpoint(config.mountpoint)
         _prepare_cache_dir(config.cache_dir)
         if not config.foreground:
             return _start_background(config, argv, args.mount_timeout)
         return _run_foreground(config, notify=lambda _message: None)
     _setup_logging(config.debug, config.cache_dir / LOG_FILE)
+    _warn_if_token_in_clear(config)  # in the daemon's log too: its user may never see the terminal's
     ready = os.fdopen(args.ready_fd, "w")
 
     def notify(message: str) -> None:
@@ -298,8 +356,8 @@ def _start_background(config: MountConfig, argv: list[str], timeout_s: float) ->
     """Start the daemon detached and wait until it reports the mount live (or an error)."""
     read_end, write_end = os.pipe()
     log_path = config.cache_dir / LOG_FILE
-    with open(log_path, "ab") as log_file:
-        os.chmod(log_path, 0o600)
+    with open(log_path, "ab", opener=lambda name, flags: os.open(name, flags, 0o600)) as log_file:
+        os.chmod(log_path, 0o600)  # made by an older cachefs, or under another umask
         child = subprocess.Popen(
             [sys.executable, "-m", "cachefs", *argv, "--ready-fd", str(write_end)],
             pass_fds=(write_end,),

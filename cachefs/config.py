@@ -171,8 +171,9 @@ class MountConfig:
     # a time per connection, and each fetch has a checksum request beside it:
     # at 60 ms RTT, 600 small files cold went from 7.2 s with 16 to 5.2 s with 64.
     max_connections: int = 64
-    # A read that needs the hub fails with EIO after this long without
-    # success (retries with backoff included): bounded, never a hang.
+    # A read that needs the hub fails with EIO within this long (plus up to a
+    # second) without success, retries with backoff included, however many
+    # requests the kernel makes for it (hub_silence.py): bounded, never a hang.
     fetch_timeout_s: float = 30.0
     # TCP connect timeout for one attempt.
     connect_timeout_s: float = 5.0

@@ -32,6 +32,7 @@ from .errors import CacheDirInUse, CachefsError, UsageError
 from .fetcher import Fetcher
 from .fs import CachefsOperations
 from .hub_client import HubClient
+from .hub_silence import HubSilence
 from .metrics import Stats, cache_gauges, serve_metrics, training_gauges
 from .mountpoints import find_mount
 from .namespace import Changes, Namespace
@@ -101,6 +102,7 @@ def tune_malloc() -> None:
 def run_daemon(config: MountConfig, notify: Notify) -> int:
     """Mount and serve until unmounted or signalled. Returns the exit status."""
     tune_malloc()
+    os.umask(0o077)  # every file the daemon and its children create in the cache dir is theirs alone
     lock = CacheDirLock(config.cache_dir)
     try:
         namespace_db, index_db = _open_databases(config)
@@ -196,6 +198,7 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
                 reader,
                 passthrough,
                 stats,
+                HubSilence(lambda: client.answers),
                 ownership=Ownership(
                     uid=os.getuid() if config.uid is None else config.uid,
                     gid=os.getgid() if config.gid is None else config.gid,

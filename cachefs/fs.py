@@ -22,6 +22,7 @@ import pyfuse3
 
 from .config import Ownership
 from .errors import HubError, OpenInAnotherVersion, RemoteFileChanged
+from .hub_silence import HubSilence
 from .metrics import READ_DURATION, Stats
 from .namespace import KIND_DIR, KIND_FILE, Inode, Namespace
 from .passthrough import Passthrough
@@ -113,6 +114,7 @@ class CachefsOperations(pyfuse3.Operations):
         reader: Reader,
         passthrough: Passthrough,
         stats: Stats,
+        hub_silence: HubSilence,
         *,
         ownership: Ownership,
         attr_timeout_s: float,
@@ -122,6 +124,7 @@ class CachefsOperations(pyfuse3.Operations):
         self._namespace = namespace
         self._reader = reader
         self._passthrough = passthrough
+        self._hub_silence = hub_silence
         self.enable_passthrough = passthrough.enabled  # read by pyfuse3 at FUSE_INIT (patched build)
         self.stats = stats
         self._ownership = ownership
@@ -264,13 +267,22 @@ class CachefsOperations(pyfuse3.Operations):
         if handle is None:
             raise pyfuse3.FUSEError(errno.EBADF)
         started = time.monotonic()
+        inode = handle.inode
+        block_size = self._reader.block_size
+        blocks = range(off // block_size, (min(off + size, inode.size) + block_size - 1) // block_size)
+        failed = self._hub_silence.failure(inode.file_id, inode.version, blocks, started)
+        if failed is not None:  # the kernel asking again for pages whose read just failed: not a second wait
+            log.error("cannot read %d bytes at %d of inode %d: %s", size, off, inode.ino, failed)
+            raise pyfuse3.FUSEError(errno.EIO)
+        answers = self._hub_silence.answers()
         try:
             return await self._reader.read(handle, off, size)
         except RemoteFileChanged as exc:
-            log.error("cannot read %d bytes at %d of inode %d: %s", size, off, handle.inode.ino, exc)
+            log.error("cannot read %d bytes at %d of inode %d: %s", size, off, inode.ino, exc)
             raise pyfuse3.FUSEError(errno.ESTALE) from None
         except HubError as exc:
-            log.error("cannot read %d bytes at %d of inode %d: %s", size, off, handle.inode.ino, exc)
+            log.error("cannot read %d bytes at %d of inode %d: %s", size, off, inode.ino, exc)
+            self._hub_silence.read_failed(inode.file_id, inode.version, blocks, exc, answers, time.monotonic())
             raise pyfuse3.FUSEError(errno.EIO) from None
         finally:
             READ_DURATION.observe(time.monotonic() - started)

@@ -175,6 +175,7 @@ class HubClient:
         self._read_timeout_s = read_timeout_s
         self._slots = trio.Semaphore(max_connections)
         self._idle: list[_Connection] = []
+        self.answers = 0  # responses received: unchanged since a moment, the hub answered nothing (hub_silence.py)
         self._host_header = f"{url.host}:{url.port}".encode()
 
     async def aclose(self) -> None:
@@ -359,6 +360,7 @@ class HubClient:
                 event = await conn.next_event(self._read_timeout_s, RECEIVE_HEAD_BYTES)
                 if not isinstance(event, h11.Response):
                     raise HubProtocolError(f"unexpected reply from hub: {type(event).__name__}")
+                self.answers += 1
             except Exception as exc:
                 await conn.aclose()
                 if reused and isinstance(_translate(exc, self.url), (HubUnavailable, HubProtocolError)):
