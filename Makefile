@@ -1,48 +1,84 @@
-# cachefs: `make demo` and `make test` do all the set-up on a fresh Debian machine (as root).
+# cachefs: `make demo` and `make test` do all the set-up on a fresh Debian machine (as root);
+# `make install` installs for a role (docs/operations.md).
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config curl patch nginx prometheus
-STAMP  := $(VENV)/.installed
+# What a spoke builds pyfuse3 with, and the demo runs: FUSE, a compiler, venv.
+DEMO_PACKAGES := fuse3 libfuse3-dev pkg-config build-essential python3-venv python3-dev
+# The tests' tools besides: the passthrough build (patch), the bench's link probe (curl),
+# the regional cache tier (nginx), promtool (prometheus), the walkthrough's TLS files and loopback (openssl, iproute2).
+TEST_PACKAGES := $(DEMO_PACKAGES) patch curl nginx prometheus openssl iproute2
+STAMP      := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.test-installed
 
-.PHONY: all setup system-packages demo test bench lint clean
+# make install: ROLE hub (no FUSE, no compiler), spoke or all; PASSTHROUGH=yes for --passthrough.
+PREFIX  ?= /opt/cachefs
+BINDIR  ?= /usr/local/bin
+SBINDIR ?= /sbin
+ROLE    ?= all
+PASSTHROUGH ?= no
+INSTALL_PACKAGES_hub   := python3-venv
+INSTALL_PACKAGES_spoke := $(DEMO_PACKAGES)
+INSTALL_PACKAGES_all   := $(DEMO_PACKAGES)
+INSTALL_PACKAGES_passthrough := patch
+
+.PHONY: all setup test-setup demo test bench lint install clean
 
 all: setup
 
-setup: $(STAMP)
-
 # apt packages: only installed when missing (needs root, as on CI).
-system-packages:
-	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+define apt_install
+	@missing=""; for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 		echo "installing:$$missing"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	fi
+endef
 
-# pyfuse3 with FUSE passthrough (libfuse 3.17 built into the venv): see the script.
-$(STAMP): pyproject.toml scripts/install_passthrough_fuse.sh third_party/pyfuse3-3.5.0-passthrough.patch | system-packages
+setup: $(STAMP)
+
+test-setup: $(TEST_STAMP)
+
+# The demo's venv: the hub and the spoke, a stock pyfuse3 built against the system's libfuse3.
+$(STAMP): pyproject.toml
+	$(call apt_install,$(DEMO_PACKAGES))
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	scripts/install_passthrough_fuse.sh $(VENV)
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[hub,spoke]'
 	touch $(STAMP)
 
-demo: system-packages setup
+# The tests' venv adds pyfuse3 with FUSE passthrough (libfuse 3.17 built into the venv,
+# see the script) for tests/test_passthrough.py, and a wheelhouse from which the install
+# tests build venvs without a network.
+$(TEST_STAMP): $(STAMP) pyproject.toml scripts/install_passthrough_fuse.sh third_party/pyfuse3-3.5.0-passthrough.patch
+	$(call apt_install,$(TEST_PACKAGES))
+	scripts/install_passthrough_fuse.sh $(VENV)
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip wheel -q -w $(VENV)/wheels '.[hub,spoke]' 'setuptools>=77'
+	rm -f $(VENV)/wheels/cachefs-*.whl
+	touch $(TEST_STAMP)
+
+demo: setup
 	$(BIN)/python scripts/demo.py
 
 # Tests side by side in TEST_WORKERS processes (pytest-xdist): most of a test's time is
 # spent waiting (mounts, emulated round trips, timeouts), so 4 on 2 cores: 277 s against 720 s.
 TEST_WORKERS ?= 4
 
-test: system-packages setup
+test: test-setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
-bench: system-packages setup
+bench: test-setup
 	$(BIN)/pip install -q -e '.[bench]' && $(BIN)/python -m bench $(BENCH_ARGS)
 
-lint: setup
+lint: test-setup
 	$(BIN)/python -m ruff check cachefs hubserver tests scripts bench
+
+install:
+	$(call apt_install,$(INSTALL_PACKAGES_$(ROLE)) $(if $(filter yes,$(PASSTHROUGH)),$(INSTALL_PACKAGES_passthrough)))
+	scripts/install.sh --role $(ROLE) --prefix $(PREFIX) --bin-dir $(BINDIR) --sbin-dir $(SBINDIR) \
+		$(if $(filter yes,$(PASSTHROUGH)),--passthrough)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import grp
+import pwd
 import re
 import urllib.parse
 from pathlib import Path
@@ -104,6 +106,52 @@ def validate_block_size(size_bytes: int) -> int:
     return size_bytes
 
 
+def parse_user(text: str) -> int:
+    """A user name or numeric uid -> uid."""
+    if text.isdigit():
+        return int(text)
+    try:
+        return pwd.getpwnam(text).pw_uid
+    except KeyError:
+        raise UsageError(f"unknown user {text!r}: give a user name or a numeric uid") from None
+
+
+def parse_group(text: str) -> int:
+    """A group name or numeric gid -> gid."""
+    if text.isdigit():
+        return int(text)
+    try:
+        return grp.getgrnam(text).gr_gid
+    except KeyError:
+        raise UsageError(f"unknown group {text!r}: give a group name or a numeric gid") from None
+
+
+def parse_mode(text: str) -> int:
+    """Octal permission bits such as '0640' or '755'."""
+    if not re.fullmatch(r"0?[0-7]{3}", text):
+        raise UsageError(f"invalid mode {text!r}: octal permission bits such as 0640 or 0755")
+    return int(text, 8)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ownership:
+    """The owner and permission bits every entry of the mount shows; the kernel checks
+    access against them (default_permissions)."""
+
+    uid: int
+    gid: int
+    file_mode: int | None = None  # None: the hub's bits
+    dir_mode: int | None = None
+
+    def mode(self, is_dir: bool, is_file: bool, hub_mode: int) -> int:
+        """Permission bits of an entry whose bits at the hub are `hub_mode` (symlinks keep theirs)."""
+        if is_dir and self.dir_mode is not None:
+            return self.dir_mode
+        if is_file and self.file_mode is not None:
+            return self.file_mode
+        return hub_mode
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class MountConfig:
     """Everything the spoke daemon needs to know."""
@@ -122,8 +170,9 @@ class MountConfig:
     # Concurrent HTTP connections to the hub: HTTP/1.1 carries one request at a
     # time per connection, so many small files need many (docs/performance.md).
     max_connections: int = 64
-    # A read that needs the hub fails with EIO after this long without
-    # success (retries with backoff included): bounded, never a hang.
+    # A read that needs the hub fails with EIO within this long (plus up to a
+    # second) without success, retries with backoff included, however many
+    # requests the kernel makes for it (fs/hub_silence.py): bounded, never a hang.
     fetch_timeout_s: float = 30.0
     # TCP connect timeout for one attempt.
     connect_timeout_s: float = 5.0
@@ -182,6 +231,14 @@ class MountConfig:
     # mounting user (and root) can; the hub's file modes are enforced either
     # way (default_permissions).
     allow_other: bool = False
+    # Owner and group of every entry (None: the daemon's own, root under
+    # systemd), and permission bits of every file and directory (None: the
+    # hub's). With allow_other, `gid` and modes such as 0640 let one group of
+    # local users read a dataset that others cannot.
+    uid: int | None = None
+    gid: int | None = None
+    file_mode: int | None = None
+    dir_mode: int | None = None
     foreground: bool = False
     debug: bool = False
 

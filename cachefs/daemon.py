@@ -13,7 +13,6 @@ import fcntl
 import logging
 import os
 import signal
-import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -25,13 +24,14 @@ import trio
 
 from . import __version__
 from .cache import BlockCache
-from .config import MountConfig, memory_budget
+from .config import MountConfig, Ownership, memory_budget
 from .control.admin import Admin
 from .control.server import SOCKET_NAME, ControlServer
 from .db import IndexDb, NamespaceDb, get_meta, open_cache_databases, put_meta
 from .errors import CacheDirInUse, CachefsError, UsageError
 from .fetch.fetcher import Fetcher
 from .fetch.hub_client import HubClient
+from .fs.hub_silence import HubSilence
 from .fs.mountpoints import find_mount
 from .fs.operations import CachefsOperations
 from .fs.passthrough import Passthrough
@@ -44,6 +44,7 @@ from .read.claims import ReadAheadClaims
 from .read.handles import OpenFiles
 from .read.held import HeldBlocks
 from .read.reader import Reader
+from .sd_notify import sd_notify
 from .training.advice import ActivePlans
 from .training.planner import Planner
 
@@ -73,20 +74,6 @@ class CacheDirLock:
         os.close(self._fd)
 
 
-def sd_notify(message: str) -> None:
-    """Tell systemd (Type=notify units) about readiness; a no-op outside systemd."""
-    address = os.environ.get("NOTIFY_SOCKET")
-    if not address:
-        return
-    if address.startswith("@"):
-        address = "\0" + address[1:]  # abstract namespace
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-            sock.sendto(message.encode(), address)
-    except OSError as exc:
-        log.warning("cannot notify systemd at %s: %s", address, exc)
-
-
 def tune_malloc() -> None:
     """Keep 1 MiB block buffers on the heap instead of fresh mmaps, in one arena.
 
@@ -110,6 +97,7 @@ def tune_malloc() -> None:
 def run_daemon(config: MountConfig, notify: Notify) -> int:
     """Mount and serve until unmounted or signalled. Returns the exit status."""
     tune_malloc()
+    os.umask(0o077)  # every file the daemon and its children create in the cache dir is theirs alone
     lock = CacheDirLock(config.cache_dir)
     try:
         namespace_db, index_db = _open_databases(config)
@@ -212,8 +200,13 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
                 handles,
                 passthrough,
                 stats,
-                uid=os.getuid(),
-                gid=os.getgid(),
+                HubSilence(lambda: client.answers),
+                ownership=Ownership(
+                    uid=os.getuid() if config.uid is None else config.uid,
+                    gid=os.getgid() if config.gid is None else config.gid,
+                    file_mode=config.file_mode,
+                    dir_mode=config.dir_mode,
+                ),
                 attr_timeout_s=config.attr_timeout_s,
                 stats_json=lambda: {"pid": os.getpid(), **admin.snapshot()},
             )
@@ -257,7 +250,8 @@ async def _refresh_once_mounted(refresh: Callable[[], Awaitable[dict[str, Any]]]
 
 def _init_fuse(operations: CachefsOperations, config: MountConfig) -> None:
     options = set(pyfuse3.default_options)  # default_permissions: enforce the hub's modes
-    options |= {"fsname=cachefs", "subtype=cachefs", "ro"}
+    # findmnt and df show the hub as the source; a comma would end the option.
+    options |= {f"fsname={str(config.hub_url).replace(',', '%2C')}", "subtype=cachefs", "ro"}
     if config.allow_other:
         options.add("allow_other")
     if config.debug:

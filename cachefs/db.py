@@ -32,6 +32,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import stat
 from pathlib import Path
 
 import lmdb
@@ -84,15 +85,34 @@ class IndexDb(Environment):
 
 def _open_env(path: Path) -> lmdb.Environment:
     """metasync=False: each commit still fsyncs its data pages, but not the meta
-    page; a power loss may undo the last commit, never corrupt the database."""
+    page; a power loss may undo the last commit, never corrupt the database.
+
+    Private to the daemon's user, whatever the umask: the namespace names every
+    path of the dataset. (lmdb.open would make the directory with the files' mode,
+    which has no search bit, so it is made here first; an older cachefs left both
+    open to others.)"""
+    path.mkdir(mode=0o700, exist_ok=True)
+    _restrict(path, 0o700)
+    for name in ("data.mdb", "lock.mdb"):
+        _restrict(path / name, 0o600)
     return lmdb.open(
         str(path),
+        mode=0o600,
         map_size=MAP_SIZE_BYTES,
         max_dbs=16,
         metasync=False,
         readahead=False,  # random lookups: OS readahead only wastes page cache
         max_readers=512,
     )
+
+
+def _restrict(path: Path, mode: int) -> None:
+    """chmod an existing file to `mode` if it grants more than that (a missing one is left alone)."""
+    try:
+        if stat.S_IMODE(path.stat().st_mode) & ~mode:
+            path.chmod(mode)
+    except FileNotFoundError:
+        pass
 
 
 def open_namespace_db(path: Path) -> NamespaceDb:

@@ -92,10 +92,10 @@ def make_app(config: HubConfig, auth: HubAuth | None = None) -> web.Application:
     # No HEAD for the manifest: it would build and compress it for nothing.
     add_get("/v1/manifest", handlers.manifest, allow_head=False, name=ENDPOINT_MANIFEST)
     add_get("/v1/files/{file_id}", checksums.file_data, name=ENDPOINT_FILES)
-    app[checksums.CHECKSUMS_KEY] = checksums.ChecksumCache(on_hashed=metrics.checksum_hashed_bytes.inc)
+    app[checksums.CHECKSUMS_KEY] = checksums.ChecksumCache(on_hashed=metrics.count_hashed)
     app.on_cleanup.append(_close_checksums)
     add_get("/v1/files/{file_id}/checksums", checksums.file_checksums, allow_head=False, name=ENDPOINT_CHECKSUMS)
-    app[batch.SLOTS_KEY] = asyncio.Semaphore(batch.MAX_IN_MEMORY)
+    app[batch.SLOTS_KEY] = batch.BatchSlots(on_hashed=metrics.count_hashed)
     add_get("/v1/batch", batch.batch, allow_head=False, name=ENDPOINT_BATCH)
     add_get("/metrics", handlers.metrics, name=ENDPOINT_METRICS)
     app.router.add_post("/v1/rescan", rescan.rescan_request, name=ENDPOINT_RESCAN)

@@ -15,12 +15,14 @@ quotes one.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import logging
 import os
 import re
 import stat
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,14 +30,16 @@ from typing import Final
 
 from aiohttp import hdrs, web
 
+from hubserver.clients import request_client
 from hubserver.config import HubConfig
-from hubserver.handlers import endpoint_of, json_error, printable
+from hubserver.handlers import endpoint_of, json_error, loggable_target, printable
 from hubserver.metrics import (
     AUTH_INVALID,
     AUTH_MALFORMED,
     AUTH_MISSING,
     ENDPOINT_HEALTHZ,
     ENDPOINT_METRICS,
+    ENDPOINT_RESCAN,
     HubMetrics,
 )
 
@@ -173,10 +177,12 @@ class TokenStore:
 class HubAuth:
     """Which token store guards which endpoints. None: open."""
 
-    # Everything except /healthz and /metrics.
+    # Everything except /healthz, /metrics and POST /v1/rescan.
     data: TokenStore | None = None
     # /metrics.
     metrics: TokenStore | None = None
+    # POST /v1/rescan. Without it, rescans are open only on a hub without data tokens.
+    admin: TokenStore | None = None
 
     @classmethod
     def from_config(cls, config: HubConfig) -> HubAuth:
@@ -184,10 +190,11 @@ class HubAuth:
         return cls(
             data=TokenStore.load(config.token_file) if config.token_file else None,
             metrics=TokenStore.load(config.metrics_token_file) if config.metrics_token_file else None,
+            admin=TokenStore.load(config.admin_token_file) if config.admin_token_file else None,
         )
 
     def stores(self) -> list[TokenStore]:
-        return [store for store in (self.data, self.metrics) if store is not None]
+        return [store for store in (self.data, self.metrics, self.admin) if store is not None]
 
     def reload(self, metrics: HubMetrics | None = None) -> None:
         """Reload every token file (SIGHUP); log the outcome of each."""
@@ -244,20 +251,60 @@ def _unauthorized(reason: str) -> web.Response:
     )
 
 
+# A client's refusals are logged at most once per this many seconds (a client retrying
+# with a bad token must not flood the log); the metrics count every one.
+REFUSAL_LOG_INTERVAL_S: Final = 60.0
+# Clients whose last logged refusal is remembered; beyond, the ones logged longest ago
+# are forgotten (many addresses at once: some may be logged a little more often).
+_REFUSAL_LOG_CLIENTS: Final = 10_000
+
+
+class RefusalLog:
+    """When a client's refusal may be logged: once per interval, with how many were not."""
+
+    def __init__(self, interval_s: float = REFUSAL_LOG_INTERVAL_S) -> None:
+        self._interval_s = interval_s
+        # client -> (when its last refusal was logged, refusals not logged since), oldest first
+        self._clients: collections.OrderedDict[str, tuple[float, int]] = collections.OrderedDict()
+
+    def due(self, client: str, now: float) -> int | None:
+        """The number of the client's refusals not logged since its last logged one if this
+        one is to be logged, else None (and it is counted)."""
+        logged_at, unlogged = self._clients.get(client, (None, 0))
+        if logged_at is not None and now - logged_at < self._interval_s:
+            self._clients[client] = (logged_at, unlogged + 1)
+            return None
+        self._clients.pop(client, None)
+        self._clients[client] = (now, 0)
+        while len(self._clients) > _REFUSAL_LOG_CLIENTS:
+            self._clients.popitem(last=False)
+        return unlogged
+
+
 def make_auth_middleware(auth: HubAuth, metrics: HubMetrics) -> Callable[..., Awaitable[web.StreamResponse]]:
     """The middleware that answers 401 to requests without a valid token.
 
     /healthz is always open; /metrics needs a token of ``auth.metrics`` if
-    set; any other path (unknown ones too, so that nothing can be probed)
-    needs a token of ``auth.data`` if set.
+    set; POST /v1/rescan one of ``auth.admin`` (and is refused, 403, on a hub
+    with data tokens but no admin tokens: a data token does not allow it); any
+    other path (unknown ones too, so that nothing can be probed) needs a token
+    of ``auth.data`` if set. A client's 401s are logged at most once a minute
+    (RefusalLog), and all counted.
     """
+    refusals = RefusalLog()
 
     @web.middleware
     async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         endpoint = endpoint_of(request)
         if endpoint == ENDPOINT_HEALTHZ:
             return await handler(request)
-        store = auth.metrics if endpoint == ENDPOINT_METRICS else auth.data
+        store = auth.data
+        if endpoint == ENDPOINT_METRICS:
+            store = auth.metrics
+        elif endpoint == ENDPOINT_RESCAN:
+            if auth.admin is None and auth.data is not None:
+                return json_error(403, "POST /v1/rescan needs an admin token, and this hub has no --admin-token-file")
+            store = auth.admin
         if store is None:
             return await handler(request)
         token, reason = bearer_token(request)
@@ -265,13 +312,17 @@ def make_auth_middleware(auth: HubAuth, metrics: HubMetrics) -> Callable[..., Aw
         if name is None:
             reason = reason or AUTH_INVALID
             metrics.auth_failures.labels(endpoint, reason).inc()
-            LOG.warning(
-                "rejected %s %s from %s: %s",
-                request.method,
-                printable(request.raw_path),
-                request.remote,
-                _REASON_TEXT[reason],
-            )
+            unlogged = refusals.due(request_client(request), time.monotonic())
+            if unlogged is not None:
+                LOG.warning(
+                    "rejected %s %s from %s: %s (%d more refused from this client since its last report; "
+                    "at most one report a minute)",
+                    request.method,
+                    loggable_target(request),
+                    request.remote,
+                    _REASON_TEXT[reason],
+                    unlogged,
+                )
             return _unauthorized(reason)
         request[IDENTITY_KEY] = name
         return await handler(request)

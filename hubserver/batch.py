@@ -22,15 +22,19 @@ retries, and its checksum check never lets such bytes through.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
+from collections.abc import AsyncIterator, Callable
 from typing import Final
 
 import xxhash
 from aiohttp import web
 
 from hubserver.checksums import block_bytes_param
+from hubserver.clients import request_client
+from hubserver.fairness import PerClientTurns
 from hubserver.handlers import (
     IMMUTABLE_CACHE_CONTROL,
     SNAPSHOT_KEY,
@@ -39,7 +43,8 @@ from hubserver.handlers import (
     json_error,
     send_file_range,
 )
-from hubserver.manifest import FileChangedError, FileRecord, Snapshot, open_unchanged
+from hubserver.manifest import FileChangedError, FileRecord, FileUnavailableError, Snapshot, open_unchanged, read_block
+from hubserver.metrics import ENDPOINT_BATCH
 
 LOG = logging.getLogger(__name__)
 
@@ -48,11 +53,35 @@ MAX_BYTES: Final = 8 * 1024 * 1024  # what one answer holds in the hub's memory
 # Batches being read and hashed at once (at most 256 MiB in memory); one more
 # is answered 503 at once (clients retry). Sending holds no slot.
 MAX_IN_MEMORY: Final = 32
-SLOTS_KEY: Final = web.AppKey("batch_slots", asyncio.Semaphore)
+# ... of one client (an address): half, as for connections, so that one client
+# never takes them all.
+MAX_IN_MEMORY_PER_CLIENT: Final = MAX_IN_MEMORY // 2
 SUMS_HEADER: Final = "Cachefs-Batch-Sums"
 _QUERY: Final = frozenset({"bs", "f"})
 _NAME: Final = r"[0-9a-f]{16}\.[0-9a-f]{16}"
 _NAMES_RE: Final = re.compile(f"{_NAME}(?:,{_NAME}){{0,{MAX_FILES - 1}}}")
+
+
+class BatchSlots:
+    """The batches being read and hashed: at most MAX_IN_MEMORY in all, and
+    MAX_IN_MEMORY_PER_CLIENT of one client. `on_hashed` counts the bytes hashed."""
+
+    def __init__(self, on_hashed: Callable[[str, int], object] = lambda _endpoint, _bytes: None) -> None:
+        self._all = asyncio.Semaphore(MAX_IN_MEMORY)
+        self._turns = PerClientTurns(MAX_IN_MEMORY_PER_CLIENT)
+        self.on_hashed = on_hashed
+
+    def full(self, client: str) -> bool:
+        """Whether a batch of `client` would have to wait for a slot now."""
+        return self._all.locked() or self._turns.busy(client)
+
+    @contextlib.asynccontextmanager
+    async def taken(self, client: str) -> AsyncIterator[None]:
+        async with self._turns.turn(client), self._all:
+            yield
+
+
+SLOTS_KEY: Final = web.AppKey("batch_slots", BatchSlots)
 
 
 class _NotInSnapshot(Exception):
@@ -72,13 +101,17 @@ async def batch(request: web.Request) -> web.StreamResponse:
         if sum(record.size_bytes for record in records) > MAX_BYTES:
             raise HubHTTPError(400, f"a batch holds at most {MAX_BYTES} bytes")
         slots = request.app[SLOTS_KEY]
-        if slots.locked():
-            raise HubHTTPError(503, f"{MAX_IN_MEMORY} batches under way; retry", {"Retry-After": "1"})
-        async with slots:
-            sums = await asyncio.get_running_loop().run_in_executor(None, _hash_all, snapshot, records)
+        client = request_client(request)
+        if slots.full(client):
+            raise HubHTTPError(503, "too many batches under way; retry", {"Retry-After": "1"})
+        async with slots.taken(client):
+            sums = await asyncio.get_running_loop().run_in_executor(None, _hash_all, snapshot, records, slots.on_hashed)
     except _NotInSnapshot as exc:
         LOG.info("batch: %s; answering 412", exc)
         return json_error(412, str(exc))
+    except FileUnavailableError as exc:
+        LOG.warning("batch: %s; answering 503", exc)
+        return json_error(503, "a file of the batch cannot be read now; retry", {"Retry-After": "1"})
     return await _send(request, snapshot, records, sums)
 
 
@@ -99,11 +132,11 @@ async def _send(request: web.Request, snapshot: Snapshot, records: list[FileReco
             continue
         try:
             fd = await loop.run_in_executor(None, open_unchanged, snapshot, record)
-        except FileChangedError as exc:  # since it was hashed: the sums sent would not match
-            LOG.warning("batch: file %s changed while being sent (%s); closing the connection", record.file_id, exc)
+        except (FileChangedError, FileUnavailableError) as exc:  # since it was hashed: the answer is cut
+            LOG.warning("batch: file %s cannot be sent (%s); closing the connection", record.file_id, exc)
             if request.transport is not None:
                 request.transport.abort()
-            raise ConnectionResetError(f"file {record.file_id} changed while being sent") from None
+            raise ConnectionResetError(f"file {record.file_id} cannot be sent") from None
         try:
             await send_file_range(request, fd, record, 0, record.size_bytes)
         finally:
@@ -122,8 +155,9 @@ def _record(snapshot: Snapshot, name: str, block_bytes: int) -> FileRecord:
     return record
 
 
-def _hash_all(snapshot: Snapshot, records: list[FileRecord]) -> list[int]:
-    """Each file's xxh3_64, read from the inode the scan recorded. Blocking."""
+def _hash_all(snapshot: Snapshot, records: list[FileRecord], on_hashed: Callable[[str, int], object]) -> list[int]:
+    """Each file's xxh3_64, read from the inode the scan recorded; `on_hashed` counts the
+    bytes. Blocking."""
     sums = []
     for record in records:
         try:
@@ -132,9 +166,10 @@ def _hash_all(snapshot: Snapshot, records: list[FileRecord]) -> list[int]:
             LOG.warning("file %s: %s", record.file_id, exc)
             raise _NotInSnapshot(f"file {record.file_id} changed on disk since the snapshot") from None
         try:
-            content = os.pread(fd, record.size_bytes, 0)
+            content = read_block(fd, record, record.size_bytes, 0)
         finally:
             os.close(fd)
+        on_hashed(ENDPOINT_BATCH, len(content))
         if len(content) != record.size_bytes:
             raise _NotInSnapshot(f"file {record.file_id} shrank on disk since the snapshot")
         sums.append(xxhash.xxh3_64_intdigest(content))

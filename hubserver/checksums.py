@@ -8,10 +8,15 @@ LRU, so a block read by many spokes is hashed once. Measured cost: one
 read of the block from the page cache plus ~0.05 ms per MiB of hashing.
 
 A data request that names the spoke's block size (``bs``) gets the sums of
-the blocks its range overlaps in a header, so a small file costs one
+the blocks its range covers whole in a header, so a small file costs one
 request instead of a data and a checksum request. The header says which
 blocks it covers (``bs=<n>; first=<block>; <hex>,<hex>...``): a cache in
 between that answers from a larger aligned slice stays correct.
+
+What one request can make the hub hash is bounded: a data request no more
+than the bytes it returns (only whole blocks of its range are summed), a
+checksums request MAX_HASHED_BYTES. The hashing threads are shared fairly:
+one client has at most HASH_THREADS_PER_CLIENT of them at once.
 """
 
 from __future__ import annotations
@@ -31,8 +36,19 @@ import xxhash
 from aiohttp import web
 
 from hubserver import handlers
-from hubserver.handlers import SNAPSHOT_KEY, HubHTTPError, json_error
-from hubserver.manifest import FileChangedError, FileRecord, Snapshot, check_unchanged, open_unchanged
+from hubserver.clients import request_client
+from hubserver.fairness import PerClientTurns
+from hubserver.handlers import SNAPSHOT_KEY, HubHTTPError, json_error, unavailable
+from hubserver.manifest import (
+    FileChangedError,
+    FileRecord,
+    FileUnavailableError,
+    Snapshot,
+    check_unchanged,
+    open_unchanged,
+    read_block,
+)
+from hubserver.metrics import ENDPOINT_CHECKSUMS, ENDPOINT_FILES
 
 LOG = logging.getLogger(__name__)
 
@@ -41,12 +57,17 @@ _ALLOWED: Final = frozenset({"v", "bs", "first", "count"})
 MIN_BLOCK_BYTES: Final = 64 * 1024
 MAX_BLOCK_BYTES: Final = 64 * 1024 * 1024
 MAX_COUNT: Final = 4096  # 32 KiB of answer
-# Bytes one checksums request may have hashed (count x bs): the spoke asks for
-# 64 blocks at a time, at most 64 x 64 MiB.
-MAX_HASHED_BYTES: Final = 4 << 30
+# Bytes one checksums request may have hashed (count x bs): the 64 blocks a spoke asks
+# for at once with blocks of up to 4 MiB (fewer of larger ones), a fraction of a second
+# of one thread from the page cache; an answer of a few bytes must not buy seconds of
+# reading and hashing.
+MAX_HASHED_BYTES: Final = 256 << 20
 # Threads hashing blocks: their own, so that requests for many checksums
 # never hold up the threads that open files and read batches for everyone.
 HASH_THREADS: Final = 4
+# ... of which one client (an address) uses at most this many at once, so that others
+# always find one.
+HASH_THREADS_PER_CLIENT: Final = HASH_THREADS // 2
 # Checksums kept: ~250 bytes each in memory (key, value, LRU links), so at most
 # ~65 MB; with 1 MiB blocks, the blocks of 256 GiB of data.
 REMEMBERED: Final = 1 << 18
@@ -78,6 +99,8 @@ class SumsAsked:
     count: int
     fd: int | None = None  # a descriptor of the file from open_unchanged (already checked), else one is opened
     wanted: Callable[[], bool] = _always_wanted  # asked between blocks: False once the client went away
+    client: str = "-"  # who asks (fairness.request_client): its turns in the hashing threads
+    endpoint: str = ENDPOINT_CHECKSUMS  # what asks (a metrics label of the bytes hashed)
 
 
 def still_connected(request: web.Request) -> Callable[[], bool]:
@@ -91,20 +114,25 @@ class ChecksumCache:
 
     Computed once: a request for sums another request is computing waits for
     that computation (many spokes starting cold on one dataset ask for the
-    same blocks at once). `on_hashed` is told the bytes each computation read.
+    same blocks at once). `on_hashed` is told the bytes each computation read, and for
+    which endpoint.
     """
 
-    def __init__(self, capacity: int = REMEMBERED, on_hashed: Callable[[int], object] = lambda _bytes: None) -> None:
+    def __init__(
+        self, capacity: int = REMEMBERED, on_hashed: Callable[[str, int], object] = lambda _endpoint, _bytes: None
+    ) -> None:
         self._capacity = capacity
         self._on_hashed = on_hashed
+        self._turns = PerClientTurns(HASH_THREADS_PER_CLIENT)
         self._sums: collections.OrderedDict[_Key, int] = collections.OrderedDict()
         self._computing: dict[_Key, threading.Event] = {}  # set when that computation is over
         self._lock = threading.Lock()
         self._hashers = concurrent.futures.ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="checksums")
 
     async def sums(self, asked: SumsAsked) -> bytes:
-        """`block_sums` in the hashing threads."""
-        return await asyncio.get_running_loop().run_in_executor(self._hashers, self.block_sums, asked)
+        """`block_sums` in the hashing threads, in one of the asking client's turns."""
+        async with self._turns.turn(asked.client):
+            return await asyncio.get_running_loop().run_in_executor(self._hashers, self.block_sums, asked)
 
     def close(self) -> None:
         """Stop the hashing threads (at shutdown; hashing under way finishes in the background)."""
@@ -168,8 +196,8 @@ class ChecksumCache:
             for key in keys:
                 if not asked.wanted():
                     raise RequestAbandoned(f"the client of the sums of {record.path!r} went away")
-                data = os.pread(source, block_bytes, key[3] * block_bytes)
-                self._on_hashed(len(data))
+                data = read_block(source, record, block_bytes, key[3] * block_bytes)
+                self._on_hashed(asked.endpoint, len(data))
                 into[key] = xxhash.xxh3_64_intdigest(data)
         finally:
             if asked.fd is None:
@@ -193,28 +221,42 @@ def block_bytes_param(request: web.Request) -> int:
     return block_bytes
 
 
+def whole_blocks(byte_range: tuple[int, int], size_bytes: int, block_bytes: int) -> range:
+    """The blocks of `block_bytes` that the range (first and last byte) covers whole; the
+    last block of the file is whole when the range reaches the end of the file."""
+    first = -(-byte_range[0] // block_bytes)
+    end = byte_range[1] + 1
+    stop = -(-size_bytes // block_bytes) if end >= size_bytes else end // block_bytes
+    return range(first, max(first, stop))
+
+
 async def file_data(request: web.Request) -> web.StreamResponse:
     """``GET /v1/files/{id}?v=[&bs=]``: the file's bytes (handlers.file_data); with
-    ``bs``, the checksums of the blocks the range overlaps in SUMS_HEADER."""
+    ``bs``, the checksums of the blocks the range covers whole in SUMS_HEADER (so the
+    hub hashes no more than it sends)."""
     block_bytes = block_bytes_param(request) if "bs" in request.query else None
     response = await handlers.file_data(request)
     if block_bytes is None or not isinstance(response, handlers.SnapshotFileResponse):
         return response  # no sums asked for, or an error answer
     record = response.record
-    byte_range = response.byte_range or (0, record.size_bytes - 1)
-    first, stop = byte_range[0] // block_bytes, byte_range[1] // block_bytes + 1
-    if record.size_bytes == 0 or stop - first > MAX_HEADER_SUMS:
+    blocks = whole_blocks(response.byte_range or (0, record.size_bytes - 1), record.size_bytes, block_bytes)
+    if record.size_bytes == 0 or not 0 < len(blocks) <= MAX_HEADER_SUMS:
         return response
     snapshot = request.app[SNAPSHOT_KEY].current
     checksums = request.app[CHECKSUMS_KEY]
+    first = blocks.start
     try:
         sums = await checksums.sums(
-            SumsAsked(snapshot, record, block_bytes, first, stop - first, response.fd, still_connected(request))
+            SumsAsked(snapshot, record, block_bytes, first, len(blocks), response.fd, still_connected(request),
+                      request_client(request), ENDPOINT_FILES)
         )
     except FileChangedError as exc:
         response.close_fd()
         LOG.warning("file %s: %s; answering 412", record.file_id, exc)
         return json_error(412, f"file {record.file_id} changed on disk since the snapshot")
+    except FileUnavailableError as exc:
+        response.close_fd()
+        return unavailable(record, exc)
     except RequestAbandoned as exc:
         response.close_fd()
         return _abandoned(exc)
@@ -246,11 +288,14 @@ async def file_checksums(request: web.Request) -> web.Response:
         raise HubHTTPError(416, f"file {file_id} has no block {first} of {block_bytes} bytes")
     try:
         body = await request.app[CHECKSUMS_KEY].sums(
-            SumsAsked(snapshot, record, block_bytes, first, count, wanted=still_connected(request))
+            SumsAsked(snapshot, record, block_bytes, first, count, wanted=still_connected(request),
+                      client=request_client(request))
         )
     except FileChangedError as exc:
         LOG.warning("file %s: %s; answering 412", file_id, exc)
         return json_error(412, f"file {file_id} changed on disk since the snapshot")
+    except FileUnavailableError as exc:
+        return unavailable(record, exc)
     except RequestAbandoned as exc:
         return _abandoned(exc)
     return web.Response(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import ipaddress
 import logging
 import os
 import signal
@@ -15,7 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from cachefs import __version__
 from cachefs.config_file import ConfigFileError, with_config_file
+from cachefs.sd_notify import sd_notify
 from hubserver.config import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,
@@ -87,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Serve one dataset directory, read-only, to cachefs spokes over HTTP.",
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     serve = commands.add_parser(
         "serve",
@@ -134,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="protect /metrics with the tokens of FILE, same format (default: /metrics is open)",
     )
+    security.add_argument(
+        "--admin-token-file",
+        type=Path,
+        metavar="FILE",
+        help="allow POST /v1/rescan to the tokens of FILE, same format; data tokens never allow it "
+        "(default: refused with --token-file, open without)",
+    )
     security.add_argument("--tls-cert", type=Path, metavar="FILE", help="serve HTTPS with this PEM certificate chain")
     security.add_argument("--tls-key", type=Path, metavar="FILE", help="PEM private key of --tls-cert (unencrypted)")
     security.add_argument(
@@ -156,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="connections beyond N from one client address (an IPv6 client: its /64) get a 503 and are closed "
-        "(default: three quarters of --max-connections; a regional cache or a NAT gateway in front of the spokes "
+        "(default: half of --max-connections; a regional cache or a NAT gateway in front of the spokes "
         "is one client)",
     )
     limits.add_argument(
@@ -261,6 +272,36 @@ async def _wait_for_stop_signal() -> signal.Signals:
             loop.remove_signal_handler(signum)
 
 
+def exposure_warning(host: str, authenticated: bool, encrypted: bool) -> str | None:
+    """What to warn about when the hub listens on `host` (a numeric address) with or
+    without client authentication (tokens, client certificates) and TLS: nothing on
+    loopback, nor with both."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        loopback = False
+    else:
+        mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+        loopback = (mapped or address).is_loopback
+    if loopback or (authenticated and encrypted):
+        return None
+    where = f"listening on {_format_host(host)}, not a loopback address,"
+    if not authenticated and not encrypted:
+        return (
+            f"{where} without --token-file or TLS: anyone who can reach it can read the whole dataset, "
+            "unencrypted; add --token-file and --tls-cert/--tls-key, or listen on 127.0.0.1"
+        )
+    if not encrypted:
+        return (
+            f"{where} without TLS: the spokes' tokens and the data cross the network unencrypted, "
+            "and the block checksums do not protect against a man in the middle; add --tls-cert/--tls-key"
+        )
+    return (
+        f"{where} without --token-file or --tls-client-ca: anyone who can reach it can read the whole dataset; "
+        "add --token-file"
+    )
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind (not yet listen) the hub's socket, before the possibly long scan,
     so that a bad host or a busy port is reported at once. Binds the first
@@ -306,10 +347,16 @@ async def serve(config: HubConfig, auth: HubAuth, ssl_context: ssl.SSLContext | 
     try:
         server = await start_server(runner, config, metrics, sock, ssl_context)
         host, port = sock.getsockname()[:2]
+        authenticated = auth.data is not None or config.tls_client_ca is not None
+        warning = exposure_warning(host, authenticated, ssl_context is not None)
+        if warning is not None:
+            LOG.warning("%s", warning)
         scheme = "https" if ssl_context is not None else "http"
         print(f"{PROG} listening on {scheme}://{_format_host(host)}:{port}", flush=True)
+        sd_notify("READY=1")  # systemd's Type=notify: units ordered after the hub find it serving
         signum = await _wait_for_stop_signal()
         LOG.info("received %s, shutting down", signum.name)
+        sd_notify("STOPPING=1")
     finally:
         loop.remove_signal_handler(signal.SIGHUP)
         loop.remove_signal_handler(signal.SIGUSR1)
@@ -332,6 +379,14 @@ def _load_credentials(config: HubConfig) -> tuple[HubAuth, ssl.SSLContext | None
         raise UserError(str(exc)) from None
 
 
+def _check_installed() -> None:
+    """The hub's own dependency, missing from an install without the `hub` extra; raises UserError."""
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        raise UserError("aiohttp is not installed: install the hub with `pip install 'cachefs[hub]'`") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``cachefs-hub``; returns the exit code."""
     parser = build_parser()
@@ -341,6 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILURE
     try:
+        _check_installed()
         root = check_root(args.root)
         _check_options_together(args)
         host, port = args.listen
@@ -351,6 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log_level=args.log_level,
             token_file=args.token_file,
             metrics_token_file=args.metrics_token_file,
+            admin_token_file=args.admin_token_file,
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,

@@ -63,6 +63,10 @@ class HubConfig:
     rescan_interval_s: float | None = None
     # Same format; when set, /metrics needs a token from this file.
     metrics_token_file: Path | None = None
+    # Same format; when set, POST /v1/rescan needs a token from this file (a
+    # data token does not allow it). Without it, rescans over HTTP are refused
+    # when token_file is set, open otherwise.
+    admin_token_file: Path | None = None
     # PEM certificate chain and private key: serve HTTPS instead of HTTP.
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -72,13 +76,13 @@ class HubConfig:
     # --- limits against hostile or broken clients -------------------------
     # Connections beyond this many get a 503 and are closed.
     max_connections: int = DEFAULT_MAX_CONNECTIONS
-    # ... and beyond this many from one client address (None: three quarters
-    # of max_connections, rounded up), so that one client cannot take them
-    # all. A regional cache in front of the hub is one address for all its spokes.
+    # ... and beyond this many from one client address (None: half of
+    # max_connections), so that two clients cannot take them all. A regional
+    # cache in front of the hub is one address for all its spokes.
     max_connections_per_client: int | None = None
-    # A connection must deliver a complete request head this soon after it
-    # opens (TLS handshake included) and after the first byte of each later
-    # request; see DEFAULT_HEADER_TIMEOUT_S.
+    # A connection must finish its TLS handshake this soon after it opens, and
+    # deliver a complete request head this soon after that and after the first
+    # byte of each later request; see DEFAULT_HEADER_TIMEOUT_S.
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     # See DEFAULT_SEND_TIMEOUT_S; enforced by the kernel (TCP_USER_TIMEOUT,
     # Linux), so it also covers sendfile.

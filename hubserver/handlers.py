@@ -13,7 +13,7 @@ from typing import Final
 from aiohttp import hdrs, web
 from aiohttp.abc import AbstractStreamWriter
 
-from hubserver.manifest import FileChangedError, FileRecord, open_unchanged
+from hubserver.manifest import FileChangedError, FileRecord, FileUnavailableError, open_unchanged
 from hubserver.metrics import ENDPOINT_OTHER, ENDPOINTS, HubMetrics
 
 LOG = logging.getLogger(__name__)
@@ -66,6 +66,29 @@ def printable(text: str, limit_chars: int = 200) -> str:
     return repr(text)[1:-1]
 
 
+# Query parameters of the protocol and what their values look like (ids, versions,
+# numbers): a query of only these is logged as sent, any other is not logged at all, as
+# it may carry a secret (a token someone put in the URL, ?access_token=...).
+_LOGGABLE_QUERY_RE: Final = re.compile(r"(?:(?:v|bs|first|count|f)=[0-9a-f.,]*)(?:&(?:v|bs|first|count|f)=[0-9a-f.,]*)*")
+REDACTED_QUERY: Final = "<query redacted>"
+
+
+def loggable_target(request: web.BaseRequest) -> str:
+    """The request target for a log line: the path, and the query only if it is made of
+    the protocol's parameters (else REDACTED_QUERY), escaped and cut as by ``printable``."""
+    path, sep, query = request.raw_path.partition("?")
+    if sep and not _LOGGABLE_QUERY_RE.fullmatch(query):
+        query = REDACTED_QUERY
+    return printable(path + sep + query, 300)
+
+
+def unavailable(record: FileRecord, exc: FileUnavailableError) -> web.Response:
+    """The answer when a file cannot be opened or read for a reason that may pass: 503,
+    which clients retry (a 412 would tell them the file changed)."""
+    LOG.warning("file %s: %s; answering 503", record.file_id, exc)
+    return json_error(503, f"file {record.file_id} cannot be read now; retry", {hdrs.RETRY_AFTER: "1"})
+
+
 def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
     """The protocol's error answer: ``{"error": "<one line>"}``."""
     one_line = " ".join(message.split())
@@ -84,9 +107,11 @@ def check_query(request: web.Request, allowed: frozenset[str]) -> None:
     query = request.query
     for key in query:
         if key not in allowed:
-            raise HubHTTPError(400, f"unexpected query parameter {printable(key, 40)!r}")
+            # The parameter is not named back: it may be a secret put in the URL.
+            takes = ", ".join(sorted(allowed)) if allowed else "none"
+            raise HubHTTPError(400, f"unexpected query parameter (this endpoint takes: {takes})")
         if len(query.getall(key)) > 1:
-            raise HubHTTPError(400, f"query parameter {printable(key, 40)!r} given more than once")
+            raise HubHTTPError(400, f"query parameter {key!r} given more than once")
 
 
 @web.middleware
@@ -107,7 +132,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except ConnectionError:
         raise
     except Exception:
-        LOG.exception("unexpected error answering %s %s", request.method, printable(request.raw_path))
+        LOG.exception("unexpected error answering %s %s", request.method, loggable_target(request))
         return json_error(500, "internal server error")
 
 
@@ -319,6 +344,8 @@ async def file_data(request: web.Request) -> web.StreamResponse:
     except FileChangedError as exc:
         LOG.warning("file %s: %s; answering 412", record.file_id, exc)
         return json_error(412, f"file {record.file_id} changed on disk since the snapshot")
+    except FileUnavailableError as exc:
+        return unavailable(record, exc)
     try:
         byte_range = parse_range(range_header, record.size_bytes)
         return SnapshotFileResponse(fd, record, byte_range)

@@ -9,6 +9,7 @@ back into the original bytes.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import xxhash
 
+from hubserver.beneath import open_beneath
+
 LOG = logging.getLogger(__name__)
 
 MANIFEST_FORMAT = "cachefs-manifest"
@@ -32,12 +35,36 @@ KIND_FILE = "f"
 KIND_SYMLINK = "l"
 
 # Opening a file that was swapped for a FIFO or a device must never block or
-# take a controlling terminal; the final component must not be a symlink.
+# take a controlling terminal; no component may be a symlink (see beneath.py).
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
 class FileChangedError(Exception):
     """The file on disk is no longer the one recorded in the snapshot."""
+
+
+class FileUnavailableError(Exception):
+    """The file could not be opened or read for a reason that may pass (no descriptor or
+    memory left, an I/O error): not a change, so clients retry."""
+
+
+# Errors of open() that say the path no longer leads to a readable file of the root (it
+# was removed, replaced by a symlink or a non-directory, its permissions changed); any
+# other (EMFILE, ENFILE, ENOMEM, EIO, ...) says nothing about the file.
+_CHANGED_ERRNOS = frozenset(
+    {
+        errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV, errno.EISDIR,
+        errno.ENXIO, errno.ENODEV, errno.EACCES, errno.EPERM,
+    }
+)
+
+
+def _open_error(record: FileRecord, exc: OSError) -> Exception:
+    """FileChangedError if `exc` (from opening `record`) means the file changed, else
+    FileUnavailableError."""
+    if exc.errno in _CHANGED_ERRNOS:
+        return FileChangedError(f"{record.path!r} cannot be opened: {exc.strerror}")
+    return FileUnavailableError(f"{record.path!r} cannot be opened now: {exc.strerror}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -451,33 +478,47 @@ def _matches(record: FileRecord, st: os.stat_result) -> bool:
 
 def check_unchanged(snapshot: Snapshot, record: FileRecord) -> bool:
     """True if the file on disk still is the one scanned: a regular file
-    with the same size, mtime, ctime, device and inode. Blocking."""
+    with the same size, mtime, ctime, device and inode. Raises
+    FileUnavailableError if that cannot be told now. Blocking."""
     try:
         st = os.lstat(snapshot.abs_path(record))
-    except OSError:
+    except OSError as exc:
+        error = _open_error(record, exc)
+        if isinstance(error, FileUnavailableError):
+            raise error from None
         return False
     return _matches(record, st)
+
+
+def read_block(fd: int, record: FileRecord, length: int, offset: int) -> bytes:
+    """Up to `length` bytes of an open file of the snapshot at `offset`; an I/O error is
+    FileUnavailableError (it may pass; it is no change of the file). Blocking."""
+    try:
+        return os.pread(fd, length, offset)
+    except OSError as exc:
+        raise FileUnavailableError(f"{record.path!r} cannot be read now: {exc.strerror}") from None
 
 
 def open_unchanged(snapshot: Snapshot, record: FileRecord) -> int:
     """Open a file of the snapshot read-only and return the descriptor.
 
-    The descriptor is checked with ``fstat`` after opening, so what it reads
-    is the very inode that was scanned inside the root (same device, inode,
-    size, mtime and ctime), even if the path or a directory above it was swapped
-    for a symlink meanwhile: no realpath walk is needed to stay inside the
-    root. Raises FileChangedError otherwise. Blocking.
+    No symlink is followed on the way, in the last component or any directory
+    above it (``open_beneath``): what is opened lies inside the root, and a path
+    swapped to lead elsewhere opens nothing there. The descriptor is then
+    checked with ``fstat``, so what it reads is the very inode that was scanned
+    (same device, inode, size, mtime and ctime). Raises FileChangedError
+    otherwise, and FileUnavailableError if it cannot be opened for want of
+    resources. Blocking.
     """
-    path = snapshot.abs_path(record)
     try:
-        fd = os.open(path, _OPEN_FLAGS)
+        fd = open_beneath(snapshot.root_bytes, _encode_path(record.path), _OPEN_FLAGS)
     except OSError as exc:
-        raise FileChangedError(f"{record.path!r} cannot be opened: {exc.strerror}") from None
+        raise _open_error(record, exc) from None
     try:
         st = os.fstat(fd)
     except OSError as exc:
         os.close(fd)
-        raise FileChangedError(f"{record.path!r} cannot be checked: {exc.strerror}") from None
+        raise FileUnavailableError(f"{record.path!r} cannot be checked now: {exc.strerror}") from None
     if not _matches(record, st):
         os.close(fd)
         raise FileChangedError(f"{record.path!r} changed on disk since the scan")

@@ -100,7 +100,9 @@ class HubMetrics:
             f"{PREFIX}_request_duration_seconds", "Time from the request head to the last byte of the response",
             ["endpoint"], buckets=_DURATION_BUCKETS_S, registry=registry,
         )
-        self.open_connections = gauge("open_connections", "Client connections open now (admitted ones; TLS handshake done)")
+        self.open_connections = gauge(
+            "open_connections", "Client connections open now (admitted ones, TLS handshakes under way included)"
+        )
         self.refused_connections = counter(
             "refused_connections",
             "Connections answered 503 and closed: --max-connections, or --max-connections-per-client from its address, were open",
@@ -114,10 +116,12 @@ class HubMetrics:
         self.token_reloads = counter(
             "token_reloads", "Token file reloads (SIGHUP), by result (ok, error: the previous tokens stay in force)", "result"
         )
-        self.checksum_hashed_bytes = counter(
-            "checksum_hashed_bytes",
-            "Bytes read and hashed to compute block checksums "
-            "(each block once while it is remembered; concurrent requests for it share one computation)",
+        self.hashed_bytes = counter(
+            "hashed_bytes",
+            "Bytes read and hashed, by the endpoint whose request hashed them: block checksums "
+            "(each block once while it is remembered; concurrent requests for it share one computation) "
+            "and the files of batches",
+            "endpoint",
         )
         self.snapshot_info = gauge(
             "snapshot_info", "Always 1; the label carries the generation of the snapshot being served", "generation"
@@ -132,6 +136,8 @@ class HubMetrics:
         # over a fresh hub has a starting point.
         for endpoint in ENDPOINTS:
             self.sent_bytes.labels(endpoint)
+        for endpoint in (ENDPOINT_FILES, ENDPOINT_CHECKSUMS, ENDPOINT_BATCH):
+            self.hashed_bytes.labels(endpoint)
         for result in ("ok", "error"):
             self.token_reloads.labels(result)
 
@@ -153,6 +159,10 @@ class HubMetrics:
         self.snapshot_entries.set(entries)
         self.snapshot_scan_seconds.set(scan_s)
         self.snapshot_timestamp_seconds.set(finished_at_s)
+
+    def count_hashed(self, endpoint: str, size_bytes: int) -> None:
+        """Count bytes read and hashed for a request to `endpoint`."""
+        self.hashed_bytes.labels(endpoint).inc(size_bytes)
 
     def observe_request(self, endpoint: str, status: str, duration_s: float, body_bytes: int) -> None:
         """Count one answered request."""

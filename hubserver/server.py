@@ -6,8 +6,11 @@ it lacks is added here, in a subclass of its connection handler
 (``HubRequestHandler``) that the CLI's listening socket creates for every
 connection:
 
-- a cap on open connections, in all and per client address: beyond it a
-  connection gets a canned 503 and is closed;
+- a cap on open connections, in all and per client address, counted when the
+  TCP connection opens: beyond it a connection gets a canned 503 and is closed
+  (with TLS it is closed at once, before any handshake);
+- the TLS handshake, started by the connection once it is counted, and
+  bounded by ``header_timeout_s``;
 - a request head timeout: a connection must deliver a complete request head
   within ``header_timeout_s`` of opening and of the first byte of each later
   request, or it is closed (slowloris). aiohttp's own keep-alive timer only
@@ -27,8 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ipaddress
 import logging
+import re
 import socket
 import ssl
 import time
@@ -36,16 +39,25 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from aiohttp import hdrs, web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import (
+    BadHttpMessage,
+    BadStatusLine,
+    HttpProcessingError,
+    InvalidHeader,
+    InvalidURLError,
+    LineTooLong,
+)
 from aiohttp.web_protocol import RequestHandler
 
 from hubserver.auth import IDENTITY_KEY, client_cert_name
+from hubserver.clients import client_of
 from hubserver.config import HubConfig
 from hubserver.handlers import (
     BODY_BYTES_KEY,
     SERVER_HEADER,
     endpoint_of,
     json_error,
+    loggable_target,
     printable,
 )
 from hubserver.metrics import ENDPOINT_MALFORMED, STATUS_CLIENT_CLOSED, HubMetrics
@@ -127,13 +139,45 @@ def handler_options(config: HubConfig) -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------- parser errors
+
+# llhttp's messages: its own description of the error, then the bytes it choked on.
+_LLHTTP_MESSAGE_RE: Final = re.compile(r"(?:Bad status line:\s+)?([A-Za-z][A-Za-z0-9 ,.()_-]{0,99}):\n\n  b['\"]")
+_TLS_ON_PLAIN_PORT: Final = "Received HTTPS traffic on an HTTP port"
+# aiohttp's errors whose messages quote the request (a header line, the URL).
+_QUOTING_ERRORS: Final = (
+    (LineTooLong, "a request line or header is too long"),
+    (InvalidURLError, "malformed request target"),
+    (InvalidHeader, "malformed header"),
+    (BadStatusLine, "malformed request line"),
+)
+
+
+def parser_reason(exc: HttpProcessingError) -> str:
+    """Why the HTTP parser refused a request, for the log and the 400 answer: its own
+    words, never the request bytes it quotes (a header line with a token, a URL)."""
+    message = exc.message if isinstance(exc.message, str) else ""
+    if message == _TLS_ON_PLAIN_PORT:
+        return "TLS on a plain HTTP port"
+    match = _LLHTTP_MESSAGE_RE.match(message)
+    if match is not None:
+        return match.group(1)
+    for error_type, reason in _QUOTING_ERRORS:
+        if isinstance(exc, error_type):
+            return reason
+    if type(exc) is BadHttpMessage and message.isprintable() and "b'" not in message and len(message) <= 100:
+        return message  # one of the pure-Python parser's fixed texts ("Too many headers received")
+    return "malformed request"
+
+
 # --------------------------------------------------------------- access log
 
 
 def log_access(request: web.BaseRequest, identity: str, status: str, body_bytes: int, duration_s: float) -> None:
     """One access-log line: client address, identity (a token's NAME, a
     client certificate's cn=..., or -), request line, status, body bytes,
-    seconds. Never a token: tokens only travel in the Authorization header."""
+    seconds. Never a token: the query is left out unless it is the protocol's (see
+    ``loggable_target``), and headers are not logged."""
     if not ACCESS_LOG.isEnabledFor(logging.INFO):
         return
     version = request.version
@@ -142,7 +186,7 @@ def log_access(request: web.BaseRequest, identity: str, status: str, body_bytes:
         request.remote or "-",
         identity,
         printable(request.method, 20),
-        printable(request.raw_path, 300),
+        loggable_target(request),
         version.major,
         version.minor,
         status,
@@ -208,12 +252,21 @@ def make_observe_middleware(
 # --------------------------------------------------------------- connections
 
 
+def default_per_client(max_connections: int) -> int:
+    """--max-connections-per-client when not given: half the total, so that two
+    clients never take every connection."""
+    return max(1, max_connections // 2)
+
+
 class ConnectionLimits:
     """What all connections of one listening socket share."""
 
-    def __init__(self, config: HubConfig, metrics: HubMetrics) -> None:
+    def __init__(self, config: HubConfig, metrics: HubMetrics, ssl_context: ssl.SSLContext | None = None) -> None:
+        # TLS is started by each connection once it is counted (HubRequestHandler), so that
+        # the limits hold for connections still in their handshake too.
+        self.ssl_context = ssl_context
         self.max_connections = config.max_connections
-        self.max_per_client = config.max_connections_per_client or -(-3 * config.max_connections // 4)
+        self.max_per_client = config.max_connections_per_client or default_per_client(config.max_connections)
         self._per_client: collections.Counter[str] = collections.Counter()  # open connections by address
         self.header_timeout_s = config.header_timeout_s
         self.send_timeout_ms = max(1, round(config.send_timeout_s * 1000))
@@ -254,18 +307,24 @@ class ConnectionLimits:
 
 
 class HubRequestHandler(RequestHandler):
-    """aiohttp's connection handler plus the connection limit, the request
-    head timeout and JSON answers to malformed requests."""
+    """aiohttp's connection handler plus the connection limit (counted when the TCP
+    connection opens, before any TLS handshake), the TLS handshake, the request head
+    timeout and JSON answers to malformed requests."""
 
     def __init__(self, manager: web.Server, limits: ConnectionLimits, **options: Any) -> None:
         super().__init__(manager, loop=asyncio.get_running_loop(), **options)
         self._limits = limits
-        self._admitted = False
+        self._admitted = False  # counted in the limits until released
+        self._connected = False  # handed to aiohttp (after the TLS handshake, with TLS)
+        self._lost = False
         self._client = ""  # the peer's address
         # Set on a refused connection until its 503 is written.
         self._refused_transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._in_request = False
+        self._handshake: asyncio.Task[None] | None = None
+        # Decrypted bytes that arrived with the end of the handshake, before the handler ran.
+        self._early_data: list[bytes] = []
 
     # -- asyncio.Protocol
 
@@ -273,34 +332,81 @@ class HubRequestHandler(RequestHandler):
         address = _peer_address(transport)
         self._client = client_of(address[0]) if address is not None else "-"
         if not self._limits.admit(self._client):
+            if self._limits.ssl_context is not None:
+                transport.close()  # nothing can be said before a handshake, and that is what it spares
+                return
             self._refused_transport = transport  # type: ignore[assignment]
             self._timer = self._loop.call_later(_REFUSAL_GRACE_S, self._send_refusal)
             return
         self._admitted = True
         _set_send_timeout(transport, self._limits.send_timeout_ms)
-        super().connection_made(transport)
-        self._start_header_timer()
+        if self._limits.ssl_context is None:
+            self._connect(transport)
+        else:
+            self._handshake = self._loop.create_task(self._start_tls(transport))  # type: ignore[arg-type]
 
     def data_received(self, data: bytes) -> None:
         if not self._admitted:
             self._send_refusal()
+            return
+        if not self._connected:
+            self._early_data.append(data)
             return
         if not self._in_request and self._timer is None:
             self._start_header_timer()
         super().data_received(data)
 
     def eof_received(self) -> None:
-        if self._admitted:
+        if self._connected:
             super().eof_received()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_timer()
         self._refused_transport = None
-        if not self._admitted:
+        self._lost = True
+        self._release()
+        if self._connected:
+            self._connected = False
+            super().connection_lost(exc)
+
+    # -- the connection's life
+
+    async def _start_tls(self, transport: asyncio.Transport) -> None:
+        """The TLS handshake, bounded by the header timeout; then the connection is served.
+        A failed handshake ends it (its slot in the limits is given back)."""
+        assert self._limits.ssl_context is not None
+        tls_transport: asyncio.Transport | None = None
+        try:
+            tls_transport = await self._loop.start_tls(
+                transport,
+                self,
+                self._limits.ssl_context,
+                server_side=True,
+                ssl_handshake_timeout=self._limits.header_timeout_s,
+            )
+        except Exception as exc:  # the handshake failed or timed out; the transport is closed
+            LOG.debug("TLS handshake with %s failed: %s", self._client, exc)
+        finally:
+            if tls_transport is None or self._lost:
+                self._release()
+        if tls_transport is None or self._lost:
             return
-        self._admitted = False
-        self._limits.release(self._client)
-        super().connection_lost(exc)
+        self._connect(tls_transport)
+        early, self._early_data = self._early_data, []
+        for data in early:
+            self.data_received(data)
+
+    def _connect(self, transport: asyncio.BaseTransport) -> None:
+        """Hand the (TLS) connection to aiohttp; its first request head is due within the timeout."""
+        self._connected = True
+        super().connection_made(transport)
+        self._start_header_timer()
+
+    def _release(self) -> None:
+        """Give the connection's place in the limits back (once)."""
+        if self._admitted:
+            self._admitted = False
+            self._limits.release(self._client)
 
     # -- called by the observe middleware
 
@@ -328,7 +434,7 @@ class HubRequestHandler(RequestHandler):
             # The client is gone, or a response is half sent: close.
             raise ConnectionError("client went away or response already started")
         if isinstance(exc, HttpProcessingError):
-            reason = printable(" ".join((message or exc.message or str(exc)).split()), 200)
+            reason = parser_reason(exc)
             LOG.info("malformed request from %s: %s", request.remote, reason)
             response = json_error(status, f"bad request: {reason}")
             body_bytes = response.content_length or 0
@@ -388,21 +494,6 @@ def _set_send_timeout(transport: asyncio.BaseTransport, timeout_ms: int) -> None
         LOG.debug("cannot set TCP_USER_TIMEOUT: %s", exc)
 
 
-def client_of(host: str) -> str:
-    """The client a connection's address belongs to, for the per-client limit: an IPv4
-    address (also one a dual-stack socket shows as ::ffff:a.b.c.d), or an IPv6 address's
-    /64 (one host or LAN gets a whole /64 and picks addresses in it at will)."""
-    try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host
-    if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            return str(address.ipv4_mapped)
-        return str(ipaddress.IPv6Network((address, 64), strict=False))
-    return str(address)
-
-
 def _peer_address(transport: asyncio.BaseTransport) -> tuple[str, int] | None:
     """The client's (host, port), None for a socket without one."""
     peer = transport.get_extra_info("peername")
@@ -412,6 +503,33 @@ def _peer_address(transport: asyncio.BaseTransport) -> tuple[str, int] | None:
 def _peer(transport: asyncio.BaseTransport) -> str:
     address = _peer_address(transport)
     return f"{address[0]}:{address[1]}" if address is not None else "-"
+
+
+class AcceptErrorReporter:
+    """The event loop's exception handler: asyncio reports every failed accept() for want
+    of descriptors or memory (about a hundred a second, each with a traceback); this makes
+    them one warning line per interval. Anything else goes to the default handler."""
+
+    def __init__(self) -> None:
+        self._logged_at: float | None = None
+        self._since_log = 0
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if not (isinstance(exc, OSError) and context.get("message", "").startswith("socket.accept() out of")):
+            loop.default_exception_handler(context)
+            return
+        self._since_log += 1
+        now = time.monotonic()
+        if self._logged_at is None or now - self._logged_at >= _REFUSAL_LOG_INTERVAL_S:
+            LOG.warning(
+                "cannot accept connections: %s (%d failed accepts since the last report); "
+                "new connections wait until descriptors are free",
+                exc.strerror or exc,
+                self._since_log,
+            )
+            self._logged_at = now
+            self._since_log = 0
 
 
 async def start_server(
@@ -426,17 +544,13 @@ async def start_server(
     then shuts the open connections down."""
     server = runner.server
     assert server is not None, "runner.setup() first"
-    limits = ConnectionLimits(config, metrics)
+    limits = ConnectionLimits(config, metrics, ssl_context)
     options = handler_options(config)
 
     def make_handler() -> HubRequestHandler:
         return HubRequestHandler(server, limits, **options)
 
     loop = asyncio.get_running_loop()
-    return await loop.create_server(
-        make_handler,
-        sock=sock,
-        ssl=ssl_context,
-        # The TLS handshake gets the same bound as a request head.
-        ssl_handshake_timeout=config.header_timeout_s if ssl_context is not None else None,
-    )
+    loop.set_exception_handler(AcceptErrorReporter())
+    # No ssl= here: each connection starts TLS itself once it is counted in the limits.
+    return await loop.create_server(make_handler, sock=sock)

@@ -146,17 +146,19 @@ def start_hub(
     extra_args: Sequence[str] = (),
     *,
     start_timeout_s: float = START_TIMEOUT_S,
+    wrapper: Sequence[str] = (),
 ) -> HubProcess:
     """Start a hub on 127.0.0.1:0 and wait until it listens.
 
     ``extra_args`` go after the defaults, so a later ``--listen`` or
-    ``--log-level`` overrides them. The caller must ``stop()`` the result;
-    prefer ``running_hub``. Raises RuntimeError (with the hub's stderr) if
-    it exits or stays silent for ``start_timeout_s``.
+    ``--log-level`` overrides them. ``wrapper`` is a command that execs the
+    hub's (``unshare --net``: in a network namespace of its own). The caller
+    must ``stop()`` the result; prefer ``running_hub``. Raises RuntimeError
+    (with the hub's stderr) if it exits or stays silent for ``start_timeout_s``.
     """
     args = ["serve", "--root", os.fspath(root), "--listen", "127.0.0.1:0", *extra_args]
     proc = subprocess.Popen(
-        hub_command(*args),
+        [*wrapper, *hub_command(*args)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -197,9 +199,10 @@ def running_hub(
     extra_args: Sequence[str] = (),
     *,
     start_timeout_s: float = START_TIMEOUT_S,
+    wrapper: Sequence[str] = (),
 ) -> Iterator[HubProcess]:
     """A hub serving ``root`` for the duration of the ``with`` block."""
-    hub = start_hub(root, extra_args, start_timeout_s=start_timeout_s)
+    hub = start_hub(root, extra_args, start_timeout_s=start_timeout_s, wrapper=wrapper)
     try:
         yield hub
     finally:

@@ -5,13 +5,17 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from conftest import SPOKE_ARGS
+from hub_helpers import hub_env
 from mount_helpers import SpokeMount, daemon_pid, is_mounted, mounted_spoke, run_cachefs
 
+import cachefs
 from cachefs.fs.mountpoints import mount_of, network_file_system
 
 
@@ -191,3 +195,22 @@ def test_help_describes_every_command() -> None:
     mount_help = run_cachefs("mount", "--help").stdout
     for option in ("--cache-dir", "--cache-size", "--block-size", "--foreground", "--fetch-timeout"):
         assert option in mount_help
+
+
+def test_cache_dir_whose_parent_is_missing_is_refused(hub, tmp_path: Path) -> None:
+    """A missing parent is most often a cache disk that is not mounted: nothing is created on
+    the disk under its mountpoint."""
+    (tmp_path / "mnt").mkdir()
+    cache_dir = tmp_path / "nvme" / "cachefs"
+    result = run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", cache_dir)
+    assert_clean_failure(result, f"cache dir {cache_dir}: {tmp_path / 'nvme'} does not exist", "is the cache disk mounted?")
+    assert not (tmp_path / "nvme").exists()
+    assert not is_mounted(tmp_path / "mnt")
+
+
+@pytest.mark.parametrize("module, name", [("cachefs", "cachefs"), ("hubserver", "cachefs-hub")])
+def test_both_commands_tell_their_version(module: str, name: str) -> None:
+    result = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=30,
+                            env=hub_env(), check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"{name} {cachefs.__version__}\n"

@@ -1,5 +1,5 @@
-"""The deployment files under deploy/ and systemd/, checked with the real tools:
-systemd-analyze and systemd-sysusers on the units, setpriv for the privileges
+"""The deployment files under deploy/, checked with the real tools:
+systemd-analyze, systemd-sysusers and systemd-tmpfiles on the units, setpriv for the privileges
 the units grant, a real hub and FUSE mount for the mount.cachefs helper,
 promtool on the Prometheus config and every alert, kubernetes-validate on
 the manifests. The nginx tier has its own file, test_regional_cache.py.
@@ -14,6 +14,7 @@ import re
 import select
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -33,12 +34,16 @@ from mount_helpers import SpokeMount, daemon_pid, is_mounted, mounted_spoke, run
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = REPO_ROOT / "deploy"
-HUB_UNIT = REPO_ROOT / "systemd" / "cachefs-hub.service"
-SPOKE_UNIT = REPO_ROOT / "systemd" / "cachefs@.service"
+SYSTEMD = DEPLOY / "systemd"
+HUB_UNIT = SYSTEMD / "cachefs-hub.service"
+SPOKE_UNIT = SYSTEMD / "cachefs@.service"
+# The install prefix the shipped units name; scripts/install.sh writes its own.
+UNIT_PREFIX = "/opt/cachefs"
 MOUNT_HELPER = DEPLOY / "mount.cachefs"
 PROMETHEUS = DEPLOY / "prometheus"
 DASHBOARD = DEPLOY / "grafana" / "cachefs-dashboard.json"
 KUBERNETES = DEPLOY / "kubernetes"
+CONTAINERFILE = DEPLOY / "Containerfile"
 TOOL_TIMEOUT_S = 60
 
 # The spoke metrics the alerts and the dashboard are built on: a live spoke
@@ -123,12 +128,12 @@ def cachefs_executable(name: str) -> Path:
 
 
 def installed_copy(unit: Path, directory: Path) -> Path:
-    """The unit with /usr/local/bin/... replaced by this environment's scripts,
-    since systemd-analyze verify checks that ExecStart= commands exist."""
+    """The unit with the install prefix's commands replaced by this environment's
+    scripts, since systemd-analyze verify checks that ExecStart= commands exist."""
     text = unit.read_text()
     for name in ("cachefs-hub", "cachefs"):
-        text = re.sub(rf"/usr/local/bin/{name}\b(?!-)", str(cachefs_executable(name)), text)
-    assert "/usr/local/bin/" not in text
+        text = re.sub(rf"{UNIT_PREFIX}/bin/{name}\b(?!-)", str(cachefs_executable(name)), text)
+    assert f"{UNIT_PREFIX}/" not in text and "/usr/local/" not in text
     copy = directory / unit.name
     copy.write_text(text)
     return copy
@@ -162,6 +167,7 @@ def test_systemd_security_exposure(unit: Path, name: str, max_exposure: float, t
 
 def test_hub_unit_settings() -> None:
     service = parse_unit(HUB_UNIT)["Service"]
+    assert service["Type"] == ["notify"]  # the hub sends READY=1 once it serves (tests/test_sd_notify.py)
     assert service["EnvironmentFile"] == ["/etc/cachefs/hub.env"]
     exec_start = service["ExecStart"][0]
     assert " serve --root ${CACHEFS_HUB_ROOT} --listen ${CACHEFS_HUB_LISTEN} $CACHEFS_HUB_ARGS" in exec_start
@@ -183,10 +189,14 @@ def test_spoke_unit_settings() -> None:
     service = unit["Service"]
     assert "network-online.target" in unit["Unit"]["After"][0].split()
     assert "network-online.target" in unit["Unit"]["Wants"][0].split()
+    # A network file system: started with remote-fs.target, after the cache disk is mounted.
+    assert unit["Unit"]["Before"] == ["remote-fs.target"] and unit["Install"]["WantedBy"] == ["remote-fs.target"]
+    assert unit["Unit"]["RequiresMountsFor"] == ["/var/cache/cachefs/%i"]
     assert service["Type"] == ["notify"]
     assert service["EnvironmentFile"] == ["/etc/cachefs/%i.env"]
     exec_start = service["ExecStart"][0]
-    assert re.search(r"/cachefs mount \$\{CACHEFS_HUB_URL\} %f --cache-dir \$\{CACHEFS_CACHE_DIR\} ", exec_start)
+    assert exec_start.startswith(f"{UNIT_PREFIX}/bin/cachefs mount ")
+    assert re.search(r"/cachefs mount \$\{CACHEFS_HUB_URL\} %f --cache-dir /var/cache/cachefs/%i ", exec_start)
     assert "--foreground" in exec_start.split() and exec_start.endswith("$CACHEFS_ARGS")
     assert service["ExecStop"][0].endswith("/cachefs unmount %f")
     assert service["Restart"] == ["on-failure"]
@@ -202,7 +212,7 @@ def test_example_env_files_define_what_the_units_use() -> None:
         used = set(re.findall(r"\$\{?([A-Z_]+)\}?", "\n".join(parse_unit(unit)["Service"]["ExecStart"])))
         defined = {
             line.partition("=")[0]
-            for line in (DEPLOY / "systemd" / env_file).read_text().splitlines()
+            for line in (SYSTEMD / env_file).read_text().splitlines()
             if line and not line.startswith("#")
         }
         assert used and used <= defined, f"{env_file} lacks {used - defined}"
@@ -211,11 +221,34 @@ def test_example_env_files_define_what_the_units_use() -> None:
 def test_sysusers_creates_the_hub_user(tmp_path: Path) -> None:
     sysusers = require_tool("systemd-sysusers")
     (tmp_path / "etc").mkdir()
-    result = run_tool(sysusers, f"--root={tmp_path}", DEPLOY / "systemd" / "cachefs-sysusers.conf")
+    result = run_tool(sysusers, f"--root={tmp_path}", SYSTEMD / "cachefs-sysusers.conf")
     assert result.returncode == 0, result.stderr
     users = {line.split(":")[0]: line.split(":") for line in (tmp_path / "etc" / "passwd").read_text().splitlines()}
     assert users["cachefs"][6] in ("/usr/sbin/nologin", "/sbin/nologin")  # a system user without a shell
     assert int(users["cachefs"][2]) < 1000
+
+
+def test_tmpfiles_give_the_hubs_secrets_to_its_user(tmp_path: Path) -> None:
+    """hub.tokens and hub.key belong to cachefs with mode 0600 (the hub refuses anything
+    group or others may read), hub.crt is public; absent files are left alone."""
+    (tmp_path / "etc" / "cachefs").mkdir(parents=True)
+    run_tool(require_tool("systemd-sysusers"), f"--root={tmp_path}", SYSTEMD / "cachefs-sysusers.conf")
+    for name in ("hub.tokens", "hub.crt"):
+        (tmp_path / "etc" / "cachefs" / name).write_text("x")
+        (tmp_path / "etc" / "cachefs" / name).chmod(0o664)
+    result = run_tool(require_tool("systemd-tmpfiles"), f"--root={tmp_path}", "--create", SYSTEMD / "cachefs-tmpfiles.conf")
+    assert result.returncode == 0, result.stderr
+    cachefs_uid = int(next(line for line in (tmp_path / "etc" / "passwd").read_text().splitlines()
+                           if line.startswith("cachefs:")).split(":")[2])
+    tokens, cert = (tmp_path / "etc" / "cachefs" / name for name in ("hub.tokens", "hub.crt"))
+    assert (tokens.stat().st_uid, stat.S_IMODE(tokens.stat().st_mode)) == (cachefs_uid, 0o600)
+    assert (cert.stat().st_uid, stat.S_IMODE(cert.stat().st_mode)) == (0, 0o644)
+    assert not (tmp_path / "etc" / "cachefs" / "hub.key").exists()
+    # The hub's files keep the names deploy/systemd/hub.env gives them.
+    hub_args = next(line for line in (SYSTEMD / "hub.env").read_text().splitlines() if line.startswith("CACHEFS_HUB_ARGS="))
+    configured = set(re.findall(r"/etc/cachefs/[\w.-]+", hub_args))
+    assert configured == {"/etc/cachefs/hub.tokens", "/etc/cachefs/hub.crt", "/etc/cachefs/hub.key"}
+    assert configured <= set(re.findall(r"/etc/cachefs/[\w.-]+", (SYSTEMD / "cachefs-tmpfiles.conf").read_text()))
 
 
 # -- the units' privileges, applied with setpriv -------------------------------------
@@ -351,8 +384,10 @@ def test_mount_helper_translates_fstab_options(tmp_path: Path) -> None:
         "readahead_blocks=4", "fetch_timeout=45", "mount_timeout=600", "cache_size=600G", "debug", "allow_other",
         "prefetch_siblings=0", "refresh_interval=300", "manifest_wait=90", "metrics_listen=127.0.0.1:9478", "token_file=/etc/t",
         "ca_file=/etc/ca.pem", "tls_cert=/etc/c.pem", "tls_key=/etc/k.pem", "config=/etc/cachefs/data.toml",
+        "uid=nobody", "gid=4242", "file_mode=0640", "dir_mode=0750", "default_permissions", "max_read=131072", "ro",
+        "x-systemd.requires-mounts-for=/var/cache/cachefs",
     ])
-    result = run_helper("-f", "-v", "http://hub:8470", tmp_path / "mnt", "-o", options, "-n", "-t", "cachefs")
+    result = run_helper("-f", "-v", "http://hub:8470", tmp_path / "mnt", "-o", options, "-n", "-t", "fuse.cachefs")
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     cachefs = cachefs_executable("cachefs")
@@ -361,7 +396,7 @@ def test_mount_helper_translates_fstab_options(tmp_path: Path) -> None:
         "--cache-size 600G --block-size 4M --max-connections 32 --readahead-blocks 4 --fetch-timeout 45 "
         "--prefetch-siblings 0 --refresh-interval 300 --manifest-wait 90 --mount-timeout 600 --metrics-listen 127.0.0.1:9478 "
         "--token-file /etc/t --ca-file /etc/ca.pem --tls-cert /etc/c.pem --tls-key /etc/k.pem "
-        "--config /etc/cachefs/data.toml --allow-other --debug"
+        "--uid nobody --gid 4242 --file-mode 0640 --dir-mode 0750 --config /etc/cachefs/data.toml --allow-other --debug"
     )
     assert not (tmp_path / "mnt").exists()
 
@@ -392,7 +427,8 @@ def test_mount_helper_sloppy_ignores_unknown_options(tmp_path: Path) -> None:
         (["-o", "cache_dir=/c,cache_size="], "option cache_size needs a value"),
         (["-o", "cache_dir=/c,debug=1"], "option debug takes no value"),
         (["-x", "-o", "cache_dir=/c"], "option -x not recognized"),
-        (["-t", "nfs", "-o", "cache_dir=/c"], "file system type 'nfs' is not cachefs"),
+        (["-t", "nfs", "-o", "cache_dir=/c"], "file system type 'nfs' is not fuse.cachefs"),
+        (["-t", "fuse.sshfs", "-o", "cache_dir=/c"], "file system type 'fuse.sshfs' is not fuse.cachefs"),
         (["extra", "-o", "cache_dir=/c"], "expected HUB_URL and MOUNTPOINT, got 3 arguments"),
     ],
 )
@@ -403,6 +439,20 @@ def test_mount_helper_usage_errors_exit_1(args: list[str], message: str, tmp_pat
     assert result.stderr.startswith(f"mount.cachefs: {message}")
     assert result.stderr.count("\n") == 1, result.stderr
     assert not is_mounted(tmp_path)
+
+
+@pytest.mark.parametrize("option, message", [
+    ("cache_size=lots", "invalid size 'lots'"),
+    ("gid=no-such-group-here", "unknown group 'no-such-group-here'"),
+    ("max_connections=many", "argument --max-connections: invalid int value: 'many'"),
+])
+def test_mount_helper_values_cachefs_refuses_exit_1(hub: HubProcess, tmp_path: Path, option: str, message: str) -> None:
+    """A value only `cachefs mount` can judge is still incorrect invocation (1), not a failed mount (32)."""
+    (tmp_path / "mnt").mkdir()
+    result = run_helper(hub.url, tmp_path / "mnt", "-t", "fuse.cachefs", "-o", f"cache_dir={tmp_path / 'cache'},{option}")
+    assert result.returncode == 1, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not is_mounted(tmp_path / "mnt")
 
 
 def test_mount_helper_without_cachefs_exits_2(tmp_path: Path) -> None:
@@ -774,6 +824,28 @@ def test_kubernetes_manifests_fit_together() -> None:
     assert "--cache-dir /cache" in " ".join(spoke_container["args"])
     assert spoke_container["lifecycle"]["preStop"]["exec"]["command"] == ["cachefs", "unmount", mountpoint]
     assert spoke_container["livenessProbe"]["exec"]["command"][:3] == ["cachefs", "stats", mountpoint]
+
+
+def test_kubernetes_settings_for_production() -> None:
+    """The spoke keeps the tuned defaults, is scheduled before the training pods, and never
+    creates its cache dir (an unmounted NVMe would fill the root disk); the one hub replica
+    is replaced, not rolled, on a volume that may be ReadWriteOnce."""
+    objects = kubernetes_objects()
+    spoke = find(objects, "DaemonSet", "cachefs-spoke")["spec"]["template"]["spec"]
+    (container,) = spoke["containers"]
+    command = " ".join(container["args"]) + " " + " ".join(find(objects, "ConfigMap", "cachefs-config")["data"].values())
+    for tuned in ("--max-connections", "--readahead-blocks", "--block-size", "--fetch-timeout", "--prefetch-siblings"):
+        assert tuned not in command, f"{tuned} overrides the tuned default"
+    assert spoke["priorityClassName"] == "system-node-critical"
+    cache_volume = next(m["name"] for m in container["volumeMounts"] if m["mountPath"] == "/cache")
+    assert next(v for v in spoke["volumes"] if v["name"] == cache_volume)["hostPath"]["type"] == "Directory"
+    hub = find(objects, "Deployment", "cachefs-hub")
+    assert hub["spec"]["replicas"] == 1 and hub["spec"]["strategy"] == {"type": "Recreate"}
+    # The images are the Containerfile's targets.
+    targets = set(re.findall(r"^FROM \S+ AS (\S+)$", CONTAINERFILE.read_text(), re.MULTILINE))
+    (hub_container,) = hub["spec"]["template"]["spec"]["containers"]
+    for image, target in [(container["image"], "spoke"), (hub_container["image"], "hub")]:
+        assert image.rsplit("/", 1)[1].split(":")[0] == f"cachefs-{target}" and target in targets, image
 
 
 def test_kubernetes_scrape_job_uses_the_alert_job_names() -> None:

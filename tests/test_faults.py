@@ -6,15 +6,19 @@ Whatever happens, a read returns the source's bytes or fails cleanly
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import random
 import signal
+import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE, source_files
 from fault_proxy import running_fault_proxy
@@ -31,10 +35,24 @@ from mount_helpers import (
 )
 from test_mount import read_uncached
 
+from cachefs.errors import (
+    FetchAbandoned,
+    HubError,
+    HubProtocolError,
+    HubStatusError,
+    HubUnavailable,
+    RemoteFileChanged,
+)
+from cachefs.fs import hub_silence
+
 log = logging.getLogger(__name__)
 
 FETCH_TIMEOUT_S = 20.0
 STRESS_SECONDS = 20.0
+# The stated bound of a read that needs the hub: --fetch-timeout plus this
+# margin (cachefs mount --help, README).
+BOUND_MARGIN_S = 1.0
+OUTAGE_FETCH_TIMEOUT_S = 5.0
 
 
 class Tally:
@@ -160,7 +178,8 @@ def test_hub_down_fails_within_bound_and_recovers_without_remount(dataset: Path,
                 raise AssertionError("an uncached read succeeded with the hub down")
             except OSError as exc:
                 assert exc.errno == errno.EIO
-            assert time.monotonic() - started < 2 + 5
+            assert time.monotonic() - started < 2 + BOUND_MARGIN_S
+            time.sleep(hub_silence.FRESH_S)  # a hub back sooner finds that read's blocks failing at once
             with running_hub(dataset, ["--listen", f"127.0.0.1:{port}"]):
                 relative = "shards/shard-001.bin"
                 assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
@@ -199,3 +218,119 @@ def test_sigkill_in_the_middle_of_filling_leaves_a_consistent_cache(dataset: Pat
             stats = spoke.stats()
             assert stats["corrupt_blocks"] == 0  # no torn block was ever indexed
             assert cache_disk_bytes(cache_dir) >= stats["cached_bytes"]
+
+
+
+def timed_failure(read: Callable[[], object]) -> tuple[float, int | None]:
+    """Seconds from the call to its end, and the errno it failed with (None: it succeeded)."""
+    started = time.monotonic()
+    try:
+        read()
+    except OSError as exc:
+        return time.monotonic() - started, exc.errno
+    return time.monotonic() - started, None
+
+
+def pread_at(path: Path, length: int, offset: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, length, offset)
+    finally:
+        os.close(fd)
+
+
+def cat(path: Path) -> None:
+    result = subprocess.run(["cat", str(path)], capture_output=True, timeout=120)
+    if result.returncode != 0:
+        raise OSError(errno.EIO if b"Input/output error" in result.stderr else None, result.stderr.decode())
+
+
+@pytest.mark.parametrize("outage", ["paused", "killed"])
+def test_a_read_with_the_hub_down_fails_within_the_fetch_timeout(tmp_path: Path, outage: str) -> None:
+    """From read() to EIO within --fetch-timeout plus the margin, however many requests the kernel
+    makes of it (after a failed read-ahead request it asks again for the reader's page) or queues
+    (read-ahead); cached files keep serving, and the same reads succeed once the hub is back."""
+    root = tmp_path / "data"
+    root.mkdir()
+    rng = random.Random(30)
+    for name in ("cached.bin", "a.bin", "b.bin", "c.bin"):
+        (root / name).write_bytes(rng.randbytes(8 << 20))
+    args = ("--block-size", "1M", "--fetch-timeout", str(OUTAGE_FETCH_TIMEOUT_S))
+    reads: dict[str, Callable[[Path], object]] = {
+        "pread 4 KiB": lambda mnt: pread_at(mnt / "a.bin", 4096, 3 << 20),
+        "pread 1 MiB": lambda mnt: pread_at(mnt / "b.bin", 1 << 20, (2 << 20) + 4096),
+        "cat": lambda mnt: cat(mnt / "c.bin"),
+    }
+    with running_hub(root) as hub:
+        port = hub.port
+        with mounted_spoke(hub.url, tmp_path, args) as spoke:
+            assert (spoke.mountpoint / "cached.bin").read_bytes() == (root / "cached.bin").read_bytes()
+            if outage == "paused":
+                hub.proc.send_signal(signal.SIGSTOP)
+            else:
+                hub.stop()
+            try:
+                outcomes: dict[str, tuple[float, int | None]] = {}
+                started = time.monotonic()
+                threads = [threading.Thread(target=lambda name=name, read=read: outcomes.__setitem__(
+                    name, timed_failure(lambda: read(spoke.mountpoint)))) for name, read in reads.items()]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join(timeout=120)
+                assert read_uncached(spoke.mountpoint / "cached.bin") == (root / "cached.bin").read_bytes()
+            finally:
+                if outage == "paused":
+                    hub.proc.send_signal(signal.SIGCONT)
+            log.warning("hub %s, --fetch-timeout %g: %s", outage, OUTAGE_FETCH_TIMEOUT_S,
+                        {name: f"{seconds:.2f} s, errno {code}" for name, (seconds, code) in outcomes.items()})
+            assert {name: code for name, (_, code) in outcomes.items()} == dict.fromkeys(reads, errno.EIO)
+            slow = {name: seconds for name, (seconds, _) in outcomes.items()
+                    if seconds > OUTAGE_FETCH_TIMEOUT_S + BOUND_MARGIN_S}
+            assert not slow, slow
+            # Back once every read of the outage has failed (the kernel's read-ahead requests too)
+            # and was forgotten: a read of blocks whose read just failed, with the hub silent
+            # since, fails at once.
+            outage_forgotten = started + OUTAGE_FETCH_TIMEOUT_S + BOUND_MARGIN_S + hub_silence.FRESH_S
+            time.sleep(max(0.0, outage_forgotten - time.monotonic()))
+            with contextlib.ExitStack() as restarted:
+                if outage == "killed":
+                    restarted.enter_context(running_hub(root, ["--listen", f"127.0.0.1:{port}"]))
+                assert read_uncached(spoke.mountpoint / "c.bin") == (root / "c.bin").read_bytes()
+                assert pread_at(spoke.mountpoint / "a.bin", 4096, 3 << 20) == (root / "a.bin").read_bytes()[3 << 20:][:4096]
+
+
+F, V, OTHER_V = b"f" * 8, b"v" * 8, b"w" * 8
+
+
+def test_a_read_of_blocks_whose_read_just_failed_with_the_hub_silent_fails_at_once() -> None:
+    answers = [0]
+    silence = hub_silence.HubSilence(lambda: answers[0])
+    silence.read_failed(F, V, range(0, 2), HubUnavailable("hub did not deliver block 1 within 5 s"), 0, 10.0)
+    failed = silence.failure(F, V, range(1, 3), 10.01)
+    assert isinstance(failed, HubUnavailable) and "hub did not deliver block 1 within 5 s" in str(failed)
+    assert silence.failure(F, V, range(2, 3), 10.01) is None  # other blocks
+    assert silence.failure(F, OTHER_V, range(0, 1), 10.01) is None  # another version
+    assert silence.failure(F, V, range(0, 1), 10.0 + hub_silence.FRESH_S) is None  # forgotten
+    assert silence.failure(F, V, range(0, 1), 9.9) is None  # a read already waiting when it failed
+    answers[0] = 1
+    assert silence.failure(F, V, range(0, 1), 10.01) is None  # the hub answered since
+
+
+@pytest.mark.parametrize("error, began, answers", [
+    (HubUnavailable("hub sent nothing for 15 s"), 3, 4),  # the hub answered other requests meanwhile
+    (HubStatusError(503, "hub answered 503"), 3, 3),
+    (HubProtocolError("block 2 failed its checksum"), 3, 3),
+    (RemoteFileChanged("file changed on the hub (412)"), 3, 3),
+    (FetchAbandoned("fetch was cancelled"), 3, 3),
+])
+def test_only_reads_failed_for_a_silent_hub_are_remembered(error: HubError, began: int, answers: int) -> None:
+    silence = hub_silence.HubSilence(lambda: answers)
+    silence.read_failed(F, V, range(0, 1), error, began, 10.0)
+    assert silence.failure(F, V, range(0, 1), 10.01) is None
+
+
+def test_failed_reads_remembered_are_bounded() -> None:
+    silence = hub_silence.HubSilence(lambda: 0, max_blocks=4)
+    silence.read_failed(F, V, range(0, 10), HubUnavailable("cannot connect"), 0, 10.0)
+    assert [silence.failure(F, V, range(n, n + 1), 10.01) is not None for n in range(10)] == [False] * 6 + [True] * 4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import socket
@@ -92,19 +93,44 @@ def test_batches_beyond_the_memory_slots_are_answered_503_until_one_is_free(tmp_
             entries = {entry["p"]: entry for entry in map(json.loads, lines) if entry["k"] == "f"}
             url = f"/v1/batch?bs={64 * KiB}&f={entries['d/f2.bin']['i']}.{entries['d/f2.bin']['v']}"
             slots = app[batch.SLOTS_KEY]
-            for _ in range(batch.MAX_IN_MEMORY - 1):
-                await slots.acquire()  # all but one slot held by batches under way
-            for _ in range(2):  # a batch frees its slot when answered: the last one serves one after another
-                reply = await client.get(url)
-                assert reply.status == 200
-                assert await reply.read() == contents["d/f2.bin"]
-            await slots.acquire()  # the last slot too
-            refused = await asyncio.wait_for(client.get(url), 10)  # at once, not after a slot frees
-            assert refused.status == 503
-            assert refused.headers["Retry-After"] == "1"
-            assert "batches under way" in (await refused.json())["error"]
-            slots.release()
-            assert (await client.get(url)).status == 200
+            async with contextlib.AsyncExitStack() as others:
+                for i in range(batch.MAX_IN_MEMORY - 1):  # all but one slot held by other clients' batches
+                    await others.enter_async_context(slots.taken(f"192.0.2.{i}"))
+                for _ in range(2):  # a batch frees its slot when answered: the last one serves one after another
+                    reply = await client.get(url)
+                    assert reply.status == 200
+                    assert await reply.read() == contents["d/f2.bin"]
+                async with slots.taken("192.0.2.200"):  # the last slot too
+                    refused = await asyncio.wait_for(client.get(url), 10)  # at once, not after a slot frees
+                    assert refused.status == 503
+                    assert refused.headers["Retry-After"] == "1"
+                    assert "batches under way" in (await refused.json())["error"]
+                assert (await client.get(url)).status == 200
+
+    asyncio.run(scenario())
+
+
+def test_one_client_holds_at_most_half_the_memory_slots(tmp_path: Path) -> None:
+    """A client with MAX_IN_MEMORY_PER_CLIENT batches under way gets 503 for one more,
+    while the other slots stay free for other clients (in process, as above)."""
+    contents = small_tree(tmp_path)
+
+    async def scenario() -> None:
+        app = make_app(HubConfig(root=tmp_path, access_log=False))
+        async with TestClient(TestServer(app)) as client:
+            manifest = await (await client.get("/v1/manifest", auto_decompress=False)).read()
+            lines = gzip.decompress(manifest).splitlines()[1:]
+            entries = {entry["p"]: entry for entry in map(json.loads, lines) if entry["k"] == "f"}
+            url = f"/v1/batch?bs={64 * KiB}&f={entries['d/f2.bin']['i']}.{entries['d/f2.bin']['v']}"
+            slots = app[batch.SLOTS_KEY]
+            async with contextlib.AsyncExitStack() as own:
+                for _ in range(batch.MAX_IN_MEMORY_PER_CLIENT):
+                    await own.enter_async_context(slots.taken("127.0.0.1"))
+                refused = await asyncio.wait_for(client.get(url), 10)
+                assert refused.status == 503 and refused.headers["Retry-After"] == "1"
+                assert not slots.full("192.0.2.1")  # another client would be served
+            reply = await client.get(url)
+            assert reply.status == 200 and await reply.read() == contents["d/f2.bin"]
 
     asyncio.run(scenario())
 

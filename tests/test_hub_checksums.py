@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import socket
 import threading
@@ -13,9 +14,15 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import trio
 import xxhash
-from hub_helpers import running_hub
+from hub_helpers import running_hub, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
+from cachefs.cache import BlockKey
+from cachefs.config import parse_hub_url
+from cachefs.fetch.hub_checksums import BlockChecksums
+from cachefs.fetch.hub_client import HubClient
 from hubserver.checksums import ChecksumCache, RequestAbandoned, SumsAsked
 from hubserver.manifest import scan
 
@@ -69,7 +76,7 @@ def get_with_headers(url: str, range_header: str | None = None) -> tuple[int, di
         return exc.code, dict(exc.headers), exc.read()
 
 
-def test_data_answers_carry_the_sums_of_the_blocks_they_overlap(tmp_path: Path) -> None:
+def test_data_answers_carry_the_sums_of_the_blocks_they_cover_whole(tmp_path: Path) -> None:
     block = 64 * KiB
     data = bytes(range(256)) * 1000 + b"tail"  # blocks 0-2 full, block 3 short
     (tmp_path / "f.bin").write_bytes(data)
@@ -83,10 +90,16 @@ def test_data_answers_carry_the_sums_of_the_blocks_they_overlap(tmp_path: Path) 
         status, headers, body = get_with_headers(url + f"&bs={block}", f"bytes={block}-{2 * block - 1}")
         assert status == 206 and body == data[block : 2 * block]
         assert headers["Cachefs-Block-Sums"] == f"bs={block}; first=1; {sums[1]}"
-        # A range across blocks (as a cache's larger slice would ask): every block it overlaps.
+        # A range across blocks (as a cache's larger slice would ask): the blocks it covers
+        # whole, so that the hub hashes no byte it does not send.
         status, headers, body = get_with_headers(url + f"&bs={block}", f"bytes=100-{3 * block + 5}")
         assert status == 206 and body == data[100 : 3 * block + 6]
-        assert headers["Cachefs-Block-Sums"] == f"bs={block}; first=0; {','.join(sums)}"
+        assert headers["Cachefs-Block-Sums"] == f"bs={block}; first=1; {sums[1]},{sums[2]}"
+        status, headers, body = get_with_headers(url + f"&bs={block}", f"bytes={2 * block}-")  # the short last block too
+        assert headers["Cachefs-Block-Sums"] == f"bs={block}; first=2; {sums[2]},{sums[3]}"
+        for partial in ("bytes=0-0", f"bytes={block - 1}-{block}", f"bytes=1-{2 * block - 2}"):
+            status, headers, body = get_with_headers(url + f"&bs={block}", partial)
+            assert status == 206 and "Cachefs-Block-Sums" not in headers, partial
         status, headers, body = get_with_headers(url + f"&bs={block}")  # no Range: the whole file
         assert status == 200 and body == data and headers["Cachefs-Block-Sums"].endswith(",".join(sums))
 
@@ -104,7 +117,7 @@ def test_data_answers_carry_the_sums_of_the_blocks_they_overlap(tmp_path: Path) 
 def test_checksum_requests_never_hold_up_other_requests(tmp_path: Path) -> None:
     """Clients asking for the sums of many large blocks (and going away) keep the hub's
     hashing threads busy, not the threads that open files for everyone else; one request
-    hashes at most 4 GiB."""
+    hashes at most 256 MiB."""
     with open(tmp_path / "big.bin", "wb") as f:
         f.truncate(24 << 30)  # sparse: hashing holes costs CPU, no disk
     (tmp_path / "small.bin").write_bytes(b"s" * 100)
@@ -112,14 +125,14 @@ def test_checksum_requests_never_hold_up_other_requests(tmp_path: Path) -> None:
         files = manifest_files(hub.url)
         big, small = files["big.bin"], files["small.bin"]
         base = f"{hub.url}/v1/files/{big['i']}/checksums?v={big['v']}&bs={64 << 20}"
-        assert get(base + "&first=0&count=65")[0] == 400  # 65 x 64 MiB: more than 4 GiB of hashing
+        assert get(base + "&first=0&count=5")[0] == 400  # 5 x 64 MiB: more than 256 MiB of hashing
 
         def ask_and_leave(first: int) -> None:
             with contextlib.suppress(OSError):
-                urllib.request.urlopen(f"{base}&first={first}&count=64", timeout=0.3).read()
+                urllib.request.urlopen(f"{base}&first={first}&count=4", timeout=0.3).read()
 
-        askers = [threading.Thread(target=ask_and_leave, args=(first,)) for first in range(0, 384, 64)]
-        for asker in askers:  # six requests of 4 GiB of hashing each: as many as the default executor's threads
+        askers = [threading.Thread(target=ask_and_leave, args=(first,)) for first in range(0, 24, 4)]
+        for asker in askers:  # six requests of 256 MiB of hashing each: as many as the default executor's threads
             asker.start()
         for asker in askers:
             asker.join()
@@ -132,12 +145,12 @@ def test_checksum_requests_never_hold_up_other_requests(tmp_path: Path) -> None:
 
 def test_concurrent_requests_for_the_same_sums_share_one_computation(tmp_path: Path) -> None:
     """Spokes starting cold on one dataset ask for the same checksums at once: the hub reads
-    and hashes each block once (cachefs_hub_checksum_hashed_bytes_total), all get the sums."""
+    and hashes each block once (cachefs_hub_hashed_bytes_total), all get the sums."""
     with open(tmp_path / "big.bin", "wb") as f:
-        f.truncate(1 << 30)  # sparse: 64 blocks of 16 MiB
+        f.truncate(256 << 20)  # sparse: 64 blocks of 4 MiB
     with running_hub(tmp_path) as hub:
         big = manifest_files(hub.url)["big.bin"]
-        url = f"{hub.url}/v1/files/{big['i']}/checksums?v={big['v']}&bs={16 << 20}&first=0&count=64"
+        url = f"{hub.url}/v1/files/{big['i']}/checksums?v={big['v']}&bs={4 << 20}&first=0&count=64"
         answers: list[tuple[int, bytes]] = []
 
         def ask() -> None:
@@ -153,22 +166,22 @@ def test_concurrent_requests_for_the_same_sums_share_one_computation(tmp_path: P
         hashed = hashed_bytes(hub.url)
     assert [status for status, _body in answers] == [200] * 4
     assert len({body for _status, body in answers}) == 1
-    assert hashed == 1 << 30  # once, not once per request
+    assert hashed == 256 << 20  # once, not once per request
 
 
 def test_the_hub_stops_hashing_for_a_client_that_went_away(tmp_path: Path) -> None:
     """A client asking for the sums of many blocks and leaving (a spoke's request timed out,
     a spoke stopped) does not keep a hashing thread reading and hashing the rest."""
     with open(tmp_path / "big.bin", "wb") as f:
-        f.truncate(2 << 30)  # sparse: 128 blocks of 16 MiB
+        f.truncate(256 << 20)  # sparse: 64 blocks of 4 MiB
     with running_hub(tmp_path) as hub:
         big = manifest_files(hub.url)["big.bin"]
-        url = f"{hub.url}/v1/files/{big['i']}/checksums?v={big['v']}&bs={16 << 20}&first=0&count=128"
+        url = f"{hub.url}/v1/files/{big['i']}/checksums?v={big['v']}&bs={4 << 20}&first=0&count=64"
         host, port = urllib.parse.urlsplit(hub.url).hostname, urllib.parse.urlsplit(hub.url).port
         with socket.create_connection((host, port), timeout=10) as client:
             client.sendall(f"GET {urllib.parse.urlsplit(url).path}?{urllib.parse.urlsplit(url).query} HTTP/1.1\r\n"
                            f"Host: {host}\r\n\r\n".encode())
-            time.sleep(0.1)  # and goes away
+            assert wait_until(lambda: hashed_bytes(hub.url) > 0, 10)  # hashing, and the client goes away
         hashed, deadline = -1.0, time.monotonic() + 60
         while time.monotonic() < deadline:  # until the hashing stopped
             time.sleep(0.5)
@@ -178,16 +191,21 @@ def test_the_hub_stops_hashing_for_a_client_that_went_away(tmp_path: Path) -> No
         with urllib.request.urlopen(url, timeout=120) as response:  # for a client that stays: all of them,
             body = response.read()  # and what was hashed is not hashed again
         total = hashed_bytes(hub.url)
-    assert hashed < 1 << 30, hashed  # before: all 2 GiB
-    assert len(body) == 128 * 8
-    assert total == 2 << 30, (hashed, total)
+    assert hashed < 128 << 20, hashed  # before: all 256 MiB
+    assert len(body) == 64 * 8
+    assert total == 256 << 20, (hashed, total)
 
 
-def hashed_bytes(url: str) -> float:
+def hub_metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples of metric `name` with (at least) these labels."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
         text = response.read().decode()
-    return next(float(line.split()[-1]) for line in text.splitlines()
-                if line.startswith("cachefs_hub_checksum_hashed_bytes_total "))
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and labels.items() <= sample.labels.items())
+
+
+def hashed_bytes(url: str, **labels: str) -> float:
+    return hub_metric(url, "cachefs_hub_hashed_bytes_total", **labels)
 
 
 def test_sums_a_request_stopped_computing_are_computed_once_by_the_others(tmp_path: Path) -> None:
@@ -200,7 +218,7 @@ def test_sums_a_request_stopped_computing_are_computed_once_by_the_others(tmp_pa
     record = next(iter(snapshot.files_by_id.values()))
     hashed: list[int] = []
 
-    def on_hashed(length: int) -> None:
+    def on_hashed(_endpoint: str, length: int) -> None:
         hashed.append(length)
         time.sleep(0.01)
 
@@ -230,3 +248,88 @@ def test_sums_a_request_stopped_computing_are_computed_once_by_the_others(tmp_pa
     expected = b"".join(xxhash.xxh3_64_intdigest(bytes(1 << 20)).to_bytes(8, "big") for _ in range(128))
     assert results == {"A": "abandoned", "B": expected, "C": expected}
     assert sum(hashed) == 128 << 20  # each block once (before: ~237 MiB)
+
+
+def test_the_hashing_one_request_causes_is_bounded(tmp_path: Path) -> None:
+    """The worst requests for hashing: a data request hashes no more than it sends (a byte
+    with bs=64M used to hash 64 MiB), a checksums request at most 256 MiB (it used to be
+    4 GiB); cachefs_hub_hashed_bytes_total counts it all."""
+    with open(tmp_path / "big.bin", "wb") as f:
+        f.truncate(512 << 20)  # sparse: 8 blocks of 64 MiB
+    with running_hub(tmp_path) as hub:
+        big = manifest_files(hub.url)["big.bin"]
+        data_url = f"{hub.url}/v1/files/{big['i']}?v={big['v']}"
+        sums_url = f"{hub.url}/v1/files/{big['i']}/checksums?v={big['v']}"
+        for bs in (64 << 20, 64 * KiB):
+            for range_header in ("bytes=0-0", f"bytes={bs - 1}-{bs}", "bytes=-1"):
+                status, headers, body = get_with_headers(f"{data_url}&bs={bs}", range_header)
+                assert status == 206 and "Cachefs-Block-Sums" not in headers, (bs, range_header)
+        status, headers, body = get_with_headers(f"{data_url}&bs={64 * KiB}", f"bytes=1-{3 * 64 * KiB - 1}")
+        assert headers["Cachefs-Block-Sums"].startswith(f"bs={64 * KiB}; first=1; ")  # blocks 1 and 2, sent whole
+        for too_much in ("bs=67108864&first=0&count=5", "bs=65536&first=0&count=4097", "bs=1048576&first=0&count=257"):
+            assert get(f"{sums_url}&{too_much}")[0] == 400, too_much
+        for most in ("bs=67108864&first=4&count=4", "bs=65536&first=0&count=4096"):
+            status, body = get(f"{sums_url}&{most}")
+            assert status == 200 and len(body) in (4 * 8, 4096 * 8), most
+        files_hashed, files_sent = hashed_bytes(hub.url, endpoint="files"), hub_metric(
+            hub.url, "cachefs_hub_sent_bytes_total", endpoint="files")
+        checksums_hashed = hashed_bytes(hub.url, endpoint="checksums")
+    assert files_hashed == 2 * 64 * KiB <= files_sent
+    assert checksums_hashed == 2 * (256 << 20) - 2 * 64 * KiB  # less the two blocks the data request summed
+
+
+def test_one_client_asking_for_many_sums_leaves_hashing_threads_to_others(tmp_path: Path) -> None:
+    """One client's many requests for sums take at most half the hashing threads: another
+    client's request is answered before any of them (it used to queue behind them)."""
+    block = 4 << 20
+    with open(tmp_path / "big.bin", "wb") as f:
+        f.truncate(8 * 64 * block)  # sparse: 8 spans of 64 blocks of 4 MiB
+    (tmp_path / "small.bin").write_bytes(b"s" * 100)
+    with running_hub(tmp_path) as hub:
+        files = manifest_files(hub.url)
+        big, small = files["big.bin"], files["small.bin"]
+        host, port = urllib.parse.urlsplit(hub.url).hostname, urllib.parse.urlsplit(hub.url).port
+        first_client = []
+        try:
+            for span in range(8):
+                sock = socket.create_connection((host, port), timeout=10)
+                first_client.append(sock)
+                sock.sendall(f"GET /v1/files/{big['i']}/checksums?v={big['v']}&bs={block}&first={64 * span}&count=64 "
+                             f"HTTP/1.1\r\nHost: hub\r\n\r\n".encode())
+            assert wait_until(lambda: hashed_bytes(hub.url) > 0, 10)
+            other = http.client.HTTPConnection(host, port, timeout=30, source_address=("127.0.0.2", 0))
+            other.request("GET", f"/v1/files/{small['i']}/checksums?v={small['v']}&bs={64 * KiB}&first=0&count=1")
+            assert other.getresponse().read() == xxhash.xxh3_64_intdigest(b"s" * 100).to_bytes(8, "big")
+            other.close()
+            answered_before = 0
+            for sock in first_client:
+                sock.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    answered_before += bool(sock.recv(1))
+        finally:
+            for sock in first_client:
+                sock.close()
+    assert answered_before == 0
+
+
+def test_a_spoke_with_the_largest_blocks_asks_for_sums_within_the_bound(tmp_path: Path) -> None:
+    """A spoke with 64 MiB blocks asks for fewer blocks' sums at once (4, not 64), so the
+    hub's bound on one checksums request never refuses it."""
+    block = 64 << 20
+    with open(tmp_path / "big.bin", "wb") as f:
+        f.truncate(5 * block)  # sparse
+    with running_hub(tmp_path) as hub:
+        big = manifest_files(hub.url)["big.bin"]
+
+        async def ask() -> list[int]:
+            client = HubClient(parse_hub_url(hub.url), max_connections=2, connect_timeout_s=5, read_timeout_s=30)
+            try:
+                first = BlockKey(bytes.fromhex(big["i"]), bytes.fromhex(big["v"]), 3)
+                return await BlockChecksums(client, block).expected(first, 2)  # blocks 3 and 4: two spans
+            finally:
+                await client.aclose()
+
+        sums = trio.run(ask)
+        hashed = hashed_bytes(hub.url, endpoint="checksums")
+    assert sums == [xxhash.xxh3_64_intdigest(bytes(block))] * 2
+    assert hashed == 5 * block  # span 0 (blocks 0-3) and span 1 (block 4)

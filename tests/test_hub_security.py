@@ -6,6 +6,7 @@ sockets where a well-behaved client cannot say what is needed)."""
 from __future__ import annotations
 
 import datetime
+import errno
 import gzip
 import http.client
 import ipaddress
@@ -13,9 +14,13 @@ import json
 import os
 import random
 import re
+import resource
 import signal
 import socket
 import ssl
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -42,9 +47,10 @@ from hub_helpers import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hubserver.auth import TokenFileError, TokenStore, read_token_file
-from hubserver.cli import main
-from hubserver.server import client_of
+from hubserver.auth import RefusalLog, TokenFileError, TokenStore, read_token_file
+from hubserver.beneath import open_beneath, open_walking
+from hubserver.cli import exposure_warning, main
+from hubserver.clients import client_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -210,18 +216,42 @@ def test_healthz_and_metrics_stay_open(auth_hub: HubProcess) -> None:
     assert http_get(auth_hub, "/metrics").status == 200  # no --metrics-token-file
 
 
-def test_log_names_the_client_never_the_token(auth_hub: HubProcess, manifest: Manifest) -> None:
+def test_log_names_the_client_never_the_token(dataset: Dataset, token_file: Path, manifest: Manifest) -> None:
     big = manifest.file("big.bin")
-    assert http_get(auth_hub, file_url(big), {**bearer(BOB), "Range": "bytes=0-9"}).status == 206
-    assert http_get(auth_hub, file_url(big), bearer(WRONG)).status == 401
-    pattern = re.compile(rf'127\.0\.0\.1 bob "GET /v1/files/{big["i"]}\?v={big["v"]} HTTP/1\.1" 206 10 ')
-    assert wait_until(lambda: pattern.search(auth_hub.stderr_text()) is not None, 5)
-    assert wait_until(lambda: "rejected GET /v1/files/" in auth_hub.stderr_text(), 5)
-    log = auth_hub.stderr_text()
+    with running_hub(dataset.root, ["--token-file", str(token_file)]) as hub:
+        assert http_get(hub, file_url(big), {**bearer(BOB), "Range": "bytes=0-9"}).status == 206
+        assert http_get(hub, file_url(big), bearer(WRONG)).status == 401
+        pattern = re.compile(rf'127\.0\.0\.1 bob "GET /v1/files/{big["i"]}\?v={big["v"]} HTTP/1\.1" 206 10 ')
+        assert wait_until(lambda: pattern.search(hub.stderr_text()) is not None, 5)
+        assert wait_until(lambda: "rejected GET /v1/files/" in hub.stderr_text(), 5)
+    log = hub.stderr_text()
     assert "unknown token" in log
     for token in (ALICE, BOB, WRONG):
         assert token not in log
     assert "Traceback" not in log
+
+
+def test_a_client_s_401s_are_logged_once_a_minute_and_all_counted(dataset: Dataset, token_file: Path) -> None:
+    with running_hub(dataset.root, ["--token-file", str(token_file)]) as hub:
+        for _ in range(20):
+            assert http_get(hub, "/v1/manifest", bearer(WRONG)).status == 401
+        with socket.create_connection((hub.host, hub.port), timeout=5, source_address=("127.0.0.2", 0)) as other:
+            other.sendall(b"GET /v1/manifest HTTP/1.1\r\nHost: hub\r\nConnection: close\r\n\r\n")
+            assert other.makefile("rb").readline().startswith(b"HTTP/1.1 401 ")
+        failures = sample(scrape_metrics(hub), "cachefs_hub_auth_failures_total", endpoint="manifest", reason="invalid")
+        assert wait_until(lambda: "from 127.0.0.2" in hub.stderr_text(), 5)
+    rejections = [line for line in hub.stderr_text().splitlines() if " rejected " in line]
+    assert failures == 20
+    assert len(rejections) == 2, rejections  # one for each client
+
+
+def test_a_client_s_next_report_a_minute_later_says_how_many_were_not_logged() -> None:
+    refusals = RefusalLog(interval_s=60)
+    assert refusals.due("192.0.2.1", now=0) == 0
+    assert [refusals.due("192.0.2.1", now=t) for t in (1, 30, 59.9)] == [None, None, None]
+    assert refusals.due("192.0.2.2", now=30) == 0  # another client has its own minute
+    assert refusals.due("192.0.2.1", now=60) == 3
+    assert refusals.due("192.0.2.1", now=61) is None
 
 
 def test_auth_failures_are_counted_by_endpoint_and_reason(auth_hub: HubProcess) -> None:
@@ -300,6 +330,29 @@ def test_metrics_token_file_alone_leaves_data_open(dataset: Dataset, tmp_path: P
 
 
 # --------------------------------------------------------------- CLI errors
+
+
+ADMIN_TOKEN = "operator-rescan-token-0123456789"
+
+
+def test_rescan_needs_an_admin_token_not_a_data_token(dataset: Dataset, token_file: Path, tmp_path: Path) -> None:
+    """POST /v1/rescan is its own permission: a data token does not allow it; a token of
+    --admin-token-file does, and opens nothing else."""
+    admin_tokens = write_token_file(tmp_path / "admin-tokens", f"operator:{ADMIN_TOKEN}\n")
+    with running_hub(dataset.root, ["--token-file", str(token_file)]) as hub:
+        refused = http_get(hub, "/v1/rescan", bearer(ALICE), method="POST")
+        assert_json_error(refused, 403)
+        assert "--admin-token-file" in refused.json()["error"]
+    args = ["--token-file", str(token_file), "--admin-token-file", str(admin_tokens)]
+    with running_hub(dataset.root, args) as hub:
+        assert_json_error(http_get(hub, "/v1/rescan", bearer(ALICE), method="POST"), 401)
+        assert_json_error(http_get(hub, "/v1/rescan", method="POST"), 401)
+        rescanned = http_get(hub, "/v1/rescan", bearer(ADMIN_TOKEN), method="POST")
+        assert rescanned.status == 200 and rescanned.json()["rescanned"] is True
+        assert_json_error(http_get(hub, "/v1/manifest", bearer(ADMIN_TOKEN)), 401)
+        assert http_get(hub, "/v1/manifest", bearer(ALICE)).status == 200
+        assert wait_until(lambda: ' operator "POST /v1/rescan HTTP/1.1" 200 ' in hub.stderr_text(), 5)
+    assert ADMIN_TOKEN not in hub.stderr_text()
 
 
 def assert_one_line_error(result, *needles: str) -> None:
@@ -564,6 +617,82 @@ def test_mutual_tls_requires_a_client_certificate_from_the_ca(dataset: Dataset, 
     assert "Traceback" not in hub.stderr_text()
 
 
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the other end closed `sock` (EOF or reset), without waiting."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_a_burst_of_idle_connects_holds_no_more_descriptors_than_a_tls_hub_allows(dataset: Dataset, pki: PKI) -> None:
+    """Connections are counted before their TLS handshake: beyond the limits they are
+    closed at once, and the admitted ones that never start a handshake are closed after
+    --header-timeout; the descriptors the hub holds stay within its limit."""
+    max_connections, handshake_timeout_s = 4, 2.0
+    args = [*tls_args(pki), "--max-connections", str(max_connections), "--header-timeout", str(handshake_timeout_s)]
+    with running_hub(dataset.root, args) as hub:
+        baseline = hub_open_fds(hub)
+        burst: list[socket.socket] = []
+        try:
+            for _ in range(60):
+                burst.append(socket.create_connection((hub.host, hub.port), timeout=5))
+            refused = lambda: sum(closed_by_peer(sock) for sock in burst) >= 60 - max_connections  # noqa: E731
+            assert wait_until(refused, handshake_timeout_s / 2)
+            # What the hub holds while the admitted ones wait for their handshake.
+            peak = baseline
+            deadline = time.monotonic() + handshake_timeout_s / 2
+            while time.monotonic() < deadline:
+                peak = max(peak, hub_open_fds(hub))
+                time.sleep(0.01)
+            assert peak <= baseline + max_connections + 2, (baseline, peak)
+            assert wait_until(lambda: all(closed_by_peer(sock) for sock in burst), handshake_timeout_s + 3)
+        finally:
+            for sock in burst:
+                sock.close()
+        # A client that does the handshake is served once the burst is gone.
+        assert wait_until(lambda: healthz_status(hub, pki.client_context()) == 200, 5)
+        assert sample(scrape_metrics(hub, ssl_context=pki.client_context()), "cachefs_hub_refused_connections_total") >= 50
+    assert "Traceback" not in hub.stderr_text()
+
+
+@pytest.mark.parametrize(
+    ("listen", "args", "warning"),
+    [
+        ("0.0.0.0:0", [], "without --token-file or TLS: anyone who can reach it can read the whole dataset"),
+        ("[::]:0", ["--token-file"], "without TLS: the spokes' tokens and the data cross the network unencrypted"),
+        ("0.0.0.0:0", ["--tls"], "without --token-file or --tls-client-ca"),
+        ("0.0.0.0:0", ["--token-file", "--tls"], None),
+        ("127.0.0.1:0", [], None),
+    ],
+    ids=["open", "tokens-only", "tls-only", "both", "loopback"],
+)
+def test_a_hub_open_to_the_network_says_so_once(dataset: Dataset, token_file: Path, pki: PKI, listen, args, warning) -> None:
+    """Listening on a non-loopback address without tokens or TLS is one clear warning at
+    start (in a network namespace of its own, so nothing outside can reach it)."""
+    options = {"--token-file": ["--token-file", str(token_file)], "--tls": tls_args(pki)}
+    extra = ["--listen", listen, *(word for arg in args for word in options[arg])]
+    with running_hub(dataset.root, extra, wrapper=["unshare", "--net", "--map-root-user"]) as hub:
+        assert hub.wait_for_stderr("scanned ")
+    log = hub.stderr_text()
+    warnings = [line for line in log.splitlines() if "not a loopback address" in line]
+    if warning is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and warning in warnings[0] and " WARNING " in warnings[0], warnings
+
+
+def test_every_loopback_address_is_loopback_and_no_other() -> None:
+    for host in ("127.0.0.1", "127.1.2.3", "::1", "::ffff:127.0.0.1"):
+        assert exposure_warning(host, False, False) is None, host
+    for host in ("0.0.0.0", "::", "192.0.2.7", "2001:db8::1", "fe80::1%eth0"):
+        assert exposure_warning(host, False, False) is not None, host
+    assert exposure_warning("192.0.2.7", True, True) is None
+
+
 # --------------------------------------------------------------- limits
 
 
@@ -620,7 +749,7 @@ def held_connections(hub: HubProcess, count: int) -> list[http.client.HTTPConnec
 
 
 def test_connections_beyond_the_limit_get_503(dataset: Dataset) -> None:
-    with running_hub(dataset.root, ["--max-connections", "2"]) as hub:
+    with running_hub(dataset.root, ["--max-connections", "2", "--max-connections-per-client", "2"]) as hub:
         held = held_connections(hub, 2)
         try:
             data, closed = raw_exchange(hub.host, hub.port, b"GET /healthz HTTP/1.1\r\nHost: hub\r\n\r\n")
@@ -659,9 +788,88 @@ def test_one_client_cannot_take_every_connection(dataset: Dataset) -> None:
     assert "refusing connections: 2 open from 127.0.0.1, the most --max-connections-per-client allows" in hub.stderr_text()
 
 
-def healthz_status(hub: HubProcess) -> int:
+def test_two_clients_cannot_take_every_connection_by_default(dataset: Dataset) -> None:
+    """Without --max-connections-per-client, one address gets half of --max-connections
+    (it used to be three quarters: two addresses took them all)."""
+    with running_hub(dataset.root, ["--max-connections", "4"]) as hub:
+        held = held_connections(hub, 2)
+        try:
+            data, closed = raw_exchange(hub.host, hub.port, b"GET /healthz HTTP/1.1\r\nHost: hub\r\n\r\n")
+            assert closed and data.startswith(b"HTTP/1.1 503 "), data[:100]
+            with socket.create_connection((hub.host, hub.port), timeout=5, source_address=("127.0.0.2", 0)) as other:
+                other.sendall(b"GET /healthz HTTP/1.1\r\nHost: hub\r\nConnection: close\r\n\r\n")
+                assert other.makefile("rb").readline().startswith(b"HTTP/1.1 200 ")
+        finally:
+            for conn in held:
+                conn.close()
+    assert "2 open from 127.0.0.1, the most --max-connections-per-client allows" in hub.stderr_text()
+
+
+def hub_open_fds(hub: HubProcess) -> int:
+    return len(os.listdir(f"/proc/{hub.proc.pid}/fd"))
+
+
+def exhaust_descriptors(hub: HubProcess) -> list[socket.socket]:
+    """Idle connections, each answered once, until the hub cannot accept another (it has no
+    descriptor left). Returns them all, the last one not accepted."""
+    held: list[socket.socket] = []
+    while len(held) < 200:
+        sock = socket.create_connection((hub.host, hub.port), timeout=5)
+        held.append(sock)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: hub\r\n\r\n")
+        sock.settimeout(1.5)
+        try:
+            if sock.recv(65536).startswith(b"HTTP/1.1 200 "):
+                continue
+        except TimeoutError:
+            return held
+        raise AssertionError("the hub closed an idle connection")
+    raise AssertionError("the hub accepted 200 connections")
+
+
+def test_a_hub_out_of_descriptors_answers_503_and_spokes_wait_not_estale(tmp_path: Path) -> None:
+    """Failing to open a file for want of descriptors is not "changed on disk": the hub
+    answers 503 and the spoke retries until its --fetch-timeout, so the read succeeds once
+    the idle connections that took the descriptors are gone."""
+    root = tmp_path / "root"
+    root.mkdir()
+    content = random.Random(5).randbytes(100_000)
+    (root / "data.bin").write_bytes(content)
+    mount_helpers = pytest.importorskip("mount_helpers")
+    with running_hub(root) as hub:
+        with mount_helpers.mounted_spoke(hub.url, tmp_path, ["--fetch-timeout", "30"]) as spoke:
+            limit = hub_open_fds(hub) + 12
+            resource.prlimit(hub.proc.pid, resource.RLIMIT_NOFILE, (limit, limit))
+            held = exhaust_descriptors(hub)
+            result: dict[str, Any] = {}
+
+            def read() -> None:
+                try:
+                    result["data"] = (spoke.mountpoint / "data.bin").read_bytes()
+                except OSError as exc:
+                    result["error"] = exc
+
+            reader = threading.Thread(target=read)
+            reader.start()
+            try:
+                reader.join(3)
+                assert reader.is_alive(), result  # still trying, not failed
+            finally:
+                for sock in held:
+                    sock.close()
+            reader.join(30)
+            assert not reader.is_alive()
+            assert result.get("data") == content, result
+            assert "changed on the hub" not in spoke.log_text()
+        samples = scrape_metrics(hub)
+        assert sample(samples, "cachefs_hub_requests_total", endpoint="files", status="503") >= 1
+        assert sample(samples, "cachefs_hub_requests_total", endpoint="files", status="412") == 0
+    assert "Traceback" not in hub.stderr_text()
+
+
+def healthz_status(hub: HubProcess, ssl_context: ssl.SSLContext | None = None) -> int:
     try:
-        return http_get(hub, "/healthz").status
+        return http_get(hub, "/healthz", ssl_context=ssl_context).status
     except OSError:
         return 0
 
@@ -719,6 +927,75 @@ def test_bad_inputs_get_json_errors(auth_hub: HubProcess, manifest: Manifest, pa
     assert SECRET_MARKER not in reply.body
 
 
+def test_a_directory_swapped_for_a_symlink_is_never_followed_out_of_the_root(tmp_path: Path) -> None:
+    """A directory of the root replaced by a symlink to a directory outside holding a FIFO
+    of the file's name: the hub answers 412 without opening the FIFO (opening it would
+    let its blocked writer go on)."""
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "data.bin").write_bytes(b"x" * 1000)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    fifo = outside / "data.bin"
+    os.mkfifo(fifo)
+    writer = subprocess.Popen([sys.executable, "-c", f"open({str(fifo)!r}, 'w')"])
+    try:
+        with running_hub(root) as hub:
+            entry = next(e for e in fetch_manifest_open(hub) if e["p"] == "sub/data.bin")
+            os.rename(root / "sub", tmp_path / "sub.moved")
+            os.symlink(outside, root / "sub")
+            for path in (file_url(entry), file_url(entry) + "&bs=65536"):
+                assert_json_error(http_get(hub, path, {"Range": "bytes=0-9"}), 412)
+            batch = http_get(hub, f"/v1/batch?bs=65536&f={entry['i']}.{entry['v']}")
+            assert_json_error(batch, 412)
+            checksums = http_get(hub, f"/v1/files/{entry['i']}/checksums?v={entry['v']}&bs=65536&first=0&count=1")
+            assert_json_error(checksums, 412)
+            with pytest.raises(subprocess.TimeoutExpired):
+                writer.wait(0.5)  # still blocked: nobody opened the FIFO for reading
+        assert "Traceback" not in hub.stderr_text()
+    finally:
+        writer.kill()
+        writer.wait()
+
+
+def _open_walking(root: Path, rel: bytes, flags: int) -> int:
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return open_walking(root_fd, rel, flags)
+    finally:
+        os.close(root_fd)
+
+
+def _open_beneath(root: Path, rel: bytes, flags: int) -> int:
+    return open_beneath(os.fsencode(root), rel, flags)
+
+
+@pytest.mark.parametrize("opener", [_open_beneath, _open_walking], ids=["openat2", "walking"])
+def test_opening_in_the_root_follows_no_symlink_in_any_component(tmp_path: Path, opener) -> None:
+    """Both ways the hub opens a file (openat2 where the kernel has it, else a walk one
+    directory at a time) refuse a symlink anywhere in the path, and nothing else."""
+    root = tmp_path / "root"
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "a" / "b" / "f").write_bytes(b"inside")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "f").write_bytes(b"outside")
+    os.symlink(tmp_path / "outside", root / "a" / "link")
+    os.symlink("b", root / "a" / "relative")
+    os.symlink("b/f", root / "a" / "file_link")
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = opener(root, b"a/b/f", flags)
+    try:
+        assert os.read(fd, 100) == b"inside"
+    finally:
+        os.close(fd)
+    symlink = {errno.ELOOP, errno.ENOTDIR}  # a symlink opened as a directory with O_NOFOLLOW: ENOTDIR
+    for rel, codes in [(b"a/link/f", symlink), (b"a/relative/f", symlink), (b"a/file_link", {errno.ELOOP}),
+                       (b"a/b/f/g", {errno.ENOTDIR}), (b"a/missing/f", {errno.ENOENT})]:
+        with pytest.raises(OSError) as raised:
+            opener(root, rel, flags)
+        assert raised.value.errno in codes, rel
+
+
 @pytest.mark.parametrize(
     "range_lines",
     [
@@ -771,6 +1048,44 @@ def test_malformed_requests_get_400_json(auth_hub: HubProcess, request_bytes: by
     assert set(json.loads(body)) == {"error"}
     assert b"Traceback" not in data
     assert http_get(auth_hub, "/healthz").status == 200
+
+
+# What a client may send with a token in it that the HTTP parser or the routes refuse.
+_LEAKY_REQUESTS = {
+    "cr-cr-lf": b"GET /v1/manifest HTTP/1.1\r\nHost: hub\r\nAuthorization: Bearer %s\r\r\n\r\n",
+    "control-char-in-token-line": b"GET /v1/manifest HTTP/1.1\r\nHost: hub\r\nAuthorization: Bearer %s\x01\r\n\r\n",
+    "control-char-in-header": b"GET /v1/manifest HTTP/1.1\r\nAuthorization: Bearer %s\r\nHost: h\x7fub\r\n\r\n",
+    "space-before-colon": b"GET /v1/manifest HTTP/1.1\r\nHost: hub\r\nAuthorization : Bearer %s\r\n\r\n",
+    "bare-lf": b"GET /v1/manifest HTTP/1.1\nHost: hub\nAuthorization: Bearer %s\n\n",
+    "oversized-header": b"GET /v1/manifest HTTP/1.1\r\nHost: hub\r\nX-Token: %s" + b"a" * 5000 + b"\r\n\r\n",
+    "control-char-in-url": b"GET /v1/manifest?access_token=%s\x01 HTTP/1.1\r\nHost: hub\r\n\r\n",
+    "query-token": b"GET /v1/manifest?access_token=%s HTTP/1.1\r\nHost: hub\r\nConnection: close\r\n\r\n",
+    "query-token-and-header": b"GET /v1/manifest?access_token=%s HTTP/1.1\r\nHost: hub\r\n"
+    b"Authorization: Bearer " + ALICE.encode() + b"\r\nConnection: close\r\n\r\n",
+    "query-key": b"GET /v1/manifest?%s HTTP/1.1\r\nHost: hub\r\n"
+    b"Authorization: Bearer " + ALICE.encode() + b"\r\nConnection: close\r\n\r\n",
+}
+
+
+def test_no_request_the_hub_refuses_puts_its_token_in_a_log_or_a_reply(dataset: Dataset, token_file: Path) -> None:
+    """Parser errors quote the offending bytes, and paths carry queries: neither may bring a
+    token into the hub's output (at debug level) or its answers."""
+    token = BOB.encode()
+    replies = {}
+    with running_hub(dataset.root, ["--token-file", str(token_file), "--log-level", "debug"]) as hub:
+        for name, template in _LEAKY_REQUESTS.items():
+            data, closed = raw_exchange(hub.host, hub.port, template % token)
+            assert closed and re.match(rb"HTTP/1\.[01] 4\d\d ", data), (name, data[:300])
+            replies[name] = data
+        assert wait_until(lambda: hub.stderr_text().count('"GET /v1/manifest?') >= 3, 5)
+        assert http_get(hub, "/healthz").status == 200
+    leaks = [name for name, data in replies.items() if token in data]
+    output = hub.stdout_text() + hub.stderr_text()
+    assert not leaks and BOB not in output, (leaks, [line for line in output.splitlines() if BOB in line])
+    assert "Traceback" not in output
+    # What the parser objected to is still said, without the bytes.
+    assert b"bad request: " in replies["space-before-colon"]
+    assert '"GET /v1/manifest?<query redacted> HTTP/1.1" 401 ' in output
 
 
 # --------------------------------------------------------------- fuzzing

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import ipaddress
+import os
 import shutil
 import socket
 import stat
@@ -12,6 +13,7 @@ import struct
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from mount_helpers import (
     SpokeMount,
     cache_data_files,
     cachefs_command,
+    daemon_pid,
     is_mounted,
     mounted_spoke,
     run_cachefs,
@@ -67,6 +70,32 @@ def test_token_is_required_and_never_shown(dataset: Path, tmp_path: Path) -> Non
     (tmp_path / "m3").mkdir()
     assert_clean_failure(run_cachefs("mount", "http://127.0.0.1:1", tmp_path / "m3", "--cache-dir", tmp_path / "c3",
                                      "--token-file", loose), "chmod 600")
+
+
+PLAIN_HTTP_WARNING = "the hub token goes to"
+
+
+def test_a_token_over_plain_http_is_warned_about_once(dataset: Path, tmp_path: Path) -> None:
+    """Once on the terminal of `cachefs mount`, once in the daemon's log; the token in neither."""
+    tokens = write_private(tmp_path / "hub-tokens", f"spoke-a:{TOKEN}\n")
+    token_file = write_private(tmp_path / "token", TOKEN + "\n")
+    with running_hub(dataset, ["--token-file", str(tokens)]) as hub:
+        (tmp_path / "mnt").mkdir()
+        mounted = run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", tmp_path / "cache", *SPOKE_ARGS,
+                              "--token-file", token_file)
+        spoke = SpokeMount(tmp_path / "mnt", tmp_path / "cache", daemon_pid(tmp_path / "cache"))
+        try:
+            assert mounted.returncode == 0, mounted.stderr
+            relative = "shards/shard-000.bin"
+            assert (spoke.mountpoint / relative).read_bytes() == (dataset / relative).read_bytes()
+            (warning,) = [line for line in mounted.stderr.splitlines() if PLAIN_HTTP_WARNING in line]
+            assert "unencrypted" in warning and "checksums" in warning and "https://" in warning
+            assert spoke.log_text().count(PLAIN_HTTP_WARNING) == 1
+            assert TOKEN not in mounted.stderr + mounted.stdout + spoke.log_text()
+        finally:
+            spoke.unmount()
+    with running_hub(dataset) as open_hub, mounted_spoke(open_hub.url, tmp_path, SPOKE_ARGS, name="m2") as spoke:
+        assert PLAIN_HTTP_WARNING not in spoke.log_text()  # no token, nothing secret to give away
 
 
 def make_ca(tmp_path: Path, name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey, Path]:
@@ -230,15 +259,9 @@ def as_nobody(*command: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("allow_other", [False, True])
 def test_other_users_only_with_allow_other(hub, tmp_path: Path, dataset: Path, allow_other: bool) -> None:
-    # The mountpoint must be reachable by others: pytest's own temp dirs are 0700.
-    public = Path(tempfile.mkdtemp(prefix="cachefs-public-", dir="/tmp"))
-    public.chmod(0o755)
     args = (*SPOKE_ARGS, "--allow-other") if allow_other else SPOKE_ARGS
-    try:
-        with mounted_spoke(hub.url, public, args, cache_dir=tmp_path / "cache") as spoke:
-            check_other_user(spoke, allow_other)
-    finally:
-        shutil.rmtree(public, ignore_errors=True)
+    with public_dir() as public, mounted_spoke(hub.url, public, args, cache_dir=tmp_path / "cache") as spoke:
+        check_other_user(spoke, allow_other)
 
 
 def check_other_user(spoke: SpokeMount, allow_other: bool) -> None:
@@ -250,3 +273,81 @@ def check_other_user(spoke: SpokeMount, allow_other: bool) -> None:
     control = str(spoke.cache_dir / "control.sock")
     connect = as_nobody("python3", "-c", f"import socket; socket.socket(socket.AF_UNIX).connect({control!r})")
     assert connect.returncode != 0  # the cache dir is 0700: other users cannot reach the control socket
+
+
+@contextlib.contextmanager
+def public_dir() -> Iterator[Path]:
+    """A directory every user can reach (pytest's own temp dirs are 0700), removed after."""
+    path = Path(tempfile.mkdtemp(prefix="cachefs-public-", dir="/tmp"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def umask(mask: int) -> Iterator[None]:
+    """The process umask for the block (the daemon inherits it)."""
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def test_a_cache_dir_open_to_others_is_made_private(hub, dataset: Path, tmp_path: Path) -> None:
+    """A Kubernetes DirectoryOrCreate hostPath is 0755: the index would show every path to any local user.
+    The second mount finds the index as an older cachefs left it (under umask 022)."""
+    with public_dir() as public, umask(0o022):
+        cache_dir = public / "cache"
+        cache_dir.mkdir(mode=0o755)
+        (tmp_path / "mnt").mkdir()
+        for relative in ("shards/shard-000.bin", "small/dir 0/file-00.dat"):
+            mounted = run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", cache_dir, *SPOKE_ARGS)
+            spoke = SpokeMount(tmp_path / "mnt", cache_dir, daemon_pid(cache_dir))
+            try:
+                assert mounted.returncode == 0, mounted.stderr
+                assert mounted.stderr.count("was open to other users (mode 0755): made it 0700") == 1, mounted.stderr
+                assert (spoke.mountpoint / relative).read_bytes() == (dataset / relative).read_bytes()
+                wait_for_stats(spoke, lambda stats: stats["cached_blocks"] > 0)
+                assert_private(public, cache_dir)
+            finally:
+                spoke.unmount()
+            for path in (cache_dir, *cache_dir.glob("*.lmdb")):
+                path.chmod(0o755)
+            for path in cache_dir.glob("*.lmdb/*.mdb"):
+                path.chmod(0o644)
+
+
+def assert_private(public: Path, cache_dir: Path) -> None:
+    """No file or directory in the cache dir is open to group or others, and another user reads none."""
+    paths = [cache_dir, *cache_dir.rglob("*")]
+    assert any(path.name == "data.mdb" for path in paths) and cache_data_files(cache_dir)
+    open_to_others = {str(path.relative_to(public)): oct(stat.S_IMODE(path.lstat().st_mode))
+                      for path in paths if path.lstat().st_mode & 0o077}
+    assert not open_to_others
+    for path in (cache_dir / "index.lmdb" / "data.mdb", cache_dir / "namespace.lmdb" / "data.mdb",
+                 cache_data_files(cache_dir)[0]):
+        denied = as_nobody("cat", str(path))
+        assert denied.returncode != 0 and "Permission denied" in denied.stderr, path
+
+
+def test_a_cache_dir_of_another_user_is_refused(tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir(mode=0o755)
+    os.chown(cache_dir, 65534, 65534)
+    (tmp_path / "m").mkdir()
+    refused = run_cachefs("mount", "http://127.0.0.1:1", tmp_path / "m", "--cache-dir", cache_dir)
+    assert_clean_failure(refused, str(cache_dir), "owned by uid 65534")
+    assert stat.S_IMODE(cache_dir.stat().st_mode) == 0o755 and not any(cache_dir.iterdir())
+
+
+def test_a_directory_open_to_others_that_is_not_a_cache_dir_is_refused_unchanged(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    (shared / "notes.txt").write_text("not cachefs's\n")
+    (tmp_path / "m").mkdir()
+    refused = run_cachefs("mount", "http://127.0.0.1:1", tmp_path / "m", "--cache-dir", shared)
+    assert_clean_failure(refused, str(shared), "holds files cachefs did not make")
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o755 and [p.name for p in shared.iterdir()] == ["notes.txt"]

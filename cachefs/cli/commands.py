@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import importlib.util
 import logging
 import math
 import os
 import select
+import stat
 import subprocess
 import sys
 import time
@@ -18,7 +20,17 @@ from typing import Any
 
 from .. import __version__
 from ..cache.store import can_free_space
-from ..config import MountConfig, parse_hub_url, parse_listen, parse_size, read_token, validate_block_size
+from ..config import (
+    MountConfig,
+    parse_group,
+    parse_hub_url,
+    parse_listen,
+    parse_mode,
+    parse_size,
+    parse_user,
+    read_token,
+    validate_block_size,
+)
 from ..config_file import ConfigFileError, with_config_file
 from ..errors import CachefsError, UsageError
 from ..fs.mountpoints import lazy_unmount, network_file_system, prepare_mountpoint
@@ -27,6 +39,7 @@ from . import admin as cli_admin
 log = logging.getLogger("cachefs")
 
 LOG_FILE = "cachefs.log"
+EXIT_USAGE = 2  # argparse's exit code for a bad command line
 TOKEN_ENV = "CACHEFS_HUB_TOKEN"
 
 
@@ -43,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument("hub_url", metavar="HUB_URL", help="the hub, e.g. http://hub.example:8470")
     mount.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path, help="an existing empty directory")
     mount.add_argument("--cache-dir", required=True, type=Path,
-                       help="where cached blocks and metadata live (created 0700), on a local disk or tmpfs: "
-                            "network file systems and ramfs are refused")
+                       help="where cached blocks and metadata live (made 0700; owned by the daemon's user), "
+                            "on a local disk or tmpfs: network file systems and ramfs are refused")
     mount.add_argument("--cache-size", default="10G", help="upper bound for cached block bytes (default: 10G)")
     mount.add_argument("--block-size", default="1M", help="cache block size, a power of two from 64K to 64M (default: 1M)")
     mount.add_argument("--max-connections", type=int, default=64, help="concurrent connections to the hub (default: 64)")
@@ -60,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mount.add_argument(
         "--fetch-timeout", type=float, default=30.0, metavar="SECONDS",
-        help="a read needing the hub fails with EIO after this long, retries included (default: 30)",
+        help="a read needing the hub fails with EIO within this long plus up to a second, retries included "
+        "(default: 30)",
     )
     mount.add_argument(
         "--refresh-interval", type=float, default=None, metavar="SECONDS",
@@ -88,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-other", action="store_true",
         help="let other local users read the mount (file modes from the hub still apply); default: only you",
     )
+    mount.add_argument("--uid", metavar="USER", help="owner of every file and directory, a name or number (default: yours)")
+    mount.add_argument("--gid", metavar="GROUP", help="group of every file and directory, a name or number (default: yours)")
+    mount.add_argument("--file-mode", metavar="MODE", help="permission bits of every file, e.g. 0640 (default: the hub's)")
+    mount.add_argument("--dir-mode", metavar="MODE", help="permission bits of every directory, e.g. 0750 (default: the hub's)")
     mount.add_argument(
         "--passthrough", action="store_true",
         help="let the kernel read whole, verified cached files straight from the cache (FUSE passthrough: local disk "
@@ -127,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(with_config_file(argv, parser, "mount"))
     except ConfigFileError as exc:
         print(f"cachefs: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     try:
         if args.command == "mount":
             return _mount(args, argv)
@@ -136,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cli_admin.run(args)
     except CachefsError as exc:
         print(f"cachefs: error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE if isinstance(exc, InvalidOptionValue) else 1
     except KeyboardInterrupt:
         print("cachefs: interrupted", file=sys.stderr)
         return 130
@@ -182,6 +200,10 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
         client_key=args.tls_key,
         fetch_timeout_s=args.fetch_timeout,
         allow_other=args.allow_other,
+        uid=parse_user(args.uid) if args.uid is not None else None,
+        gid=parse_group(args.gid) if args.gid is not None else None,
+        file_mode=parse_mode(args.file_mode) if args.file_mode is not None else None,
+        dir_mode=parse_mode(args.dir_mode) if args.dir_mode is not None else None,
         passthrough=args.passthrough,
         foreground=args.foreground,
         debug=args.debug,
@@ -195,12 +217,17 @@ def _prepare_cache_dir(path: Path) -> None:
             f"cache dir {path} is on {remote}, a network file system: put the cache on a local disk "
             "(its index is a memory-mapped database that network file systems do not keep safe)"
         )
+    # Only the last component is created: a missing parent is most often a cache disk
+    # that is not mounted, and creating it would fill the disk under it instead.
+    if not path.parent.is_dir():
+        raise UsageError(f"cache dir {path}: {path.parent} does not exist (is the cache disk mounted?)")
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"cannot create cache dir {path}: {exc.strerror}") from None
     if not path.is_dir():
         raise UsageError(f"cache dir {path} is not a directory")
+    _check_owner(path)
     probe = path / f".write-test.{os.getpid()}"
     try:
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -216,18 +243,82 @@ def _prepare_cache_dir(path: Path) -> None:
             f"cache dir {path} is on a file system that cannot free part of a file (fallocate punch hole: "
             f"{os.strerror(errno.EOPNOTSUPP)}), so evicted blocks would never give their space back; use a disk or tmpfs"
         )
+    _make_private(path)  # after the checks above: a directory that cannot be a cache dir is left as it is
+
+
+def _warn_if_token_in_clear(config: MountConfig) -> None:
+    """One warning at start when the bearer token would cross the network unencrypted.
+
+    A loopback hub URL is warned about too: the spoke cannot tell a hub on this
+    host from a forwarder (socat, a sidecar) that carries the token on in clear.
+    """
+    if config.token and not config.hub_url.tls:
+        log.warning(
+            "the hub token goes to %s unencrypted: anyone on the network path can read and reuse it, and can "
+            "change the data in transit (the block checksums come over the same connection, so they do not "
+            "catch that); use an https:// hub URL", config.hub_url,
+        )
+
+
+# Names of a cache dir that cachefs used before: one open to others is made
+# private only when it is one of these, or empty.
+_CACHE_DIR_MARKERS = ("lock", "index.lmdb", LOG_FILE)
+
+
+def _check_owner(path: Path) -> None:
+    """The cache dir must be the daemon user's own: it holds the dataset's paths and bytes."""
+    owner = path.stat().st_uid
+    if owner != os.geteuid():
+        raise UsageError(
+            f"cache dir {path} is owned by uid {owner}, not by this daemon's uid {os.geteuid()}: "
+            "its cached data must be private; chown it or use another cache dir"
+        )
+
+
+def _make_private(path: Path) -> None:
+    """Only the daemon's user may enter the cache dir: its index names every path and size of
+    the dataset, its data files hold the bytes. One open to others (a Kubernetes
+    DirectoryOrCreate hostPath is 0755) is made 0700 if it is empty or a cache dir
+    already; any other directory is refused, not changed."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if not mode & 0o077:
+        return
+    with os.scandir(path) as entries:
+        names = {entry.name for entry in entries} - {"lost+found"}  # the root of a fresh file system
+    if names and not names.intersection(_CACHE_DIR_MARKERS):
+        raise UsageError(
+            f"cache dir {path} is open to other users (mode {mode:04o}) and holds files cachefs did not make: "
+            "give cachefs a directory of its own, or chmod 700 this one"
+        )
+    try:
+        os.chmod(path, 0o700)
+    except OSError as exc:
+        raise UsageError(f"cache dir {path} is open to other users (mode {mode:04o}) and cannot be made 0700: "
+                         f"{exc.strerror}") from None
+    log.warning("cache dir %s was open to other users (mode %04o): made it 0700", path, mode)
+
+
+class InvalidOptionValue(UsageError):
+    """An option value `cachefs mount` refuses: exit code 2, like argparse's own errors,
+    which mount.cachefs reports to mount(8) as incorrect invocation."""
 
 
 def _mount(args: argparse.Namespace, argv: list[str]) -> int:
-    config = _config_from_args(args)
+    try:
+        config = _config_from_args(args)
+    except UsageError as exc:
+        raise InvalidOptionValue(str(exc)) from None
     if args.ready_fd is None:
+        _check_fuse_installed()
         _setup_logging(config.debug, None)
+        _warn_if_token_in_clear(config)
         prepare_mountpoint(config.mountpoint)
         _prepare_cache_dir(config.cache_dir)
         if not config.foreground:
             return _start_background(config, argv, args.mount_timeout)
         return _run_foreground(config, notify=lambda _message: None)
     _setup_logging(config.debug, config.cache_dir / LOG_FILE)
+    _warn_if_token_in_clear(config)  # in the daemon's log too: its user may never see the terminal's
     ready = os.fdopen(args.ready_fd, "w")
 
     def notify(message: str) -> None:
@@ -240,6 +331,12 @@ def _mount(args: argparse.Namespace, argv: list[str]) -> int:
     with contextlib.suppress(OSError):
         ready.close()
     return status
+
+
+def _check_fuse_installed() -> None:
+    """pyfuse3 is the spoke's own dependency, missing from an install without the `spoke` extra."""
+    if importlib.util.find_spec("pyfuse3") is None:
+        raise UsageError("pyfuse3 is not installed: install the spoke with `pip install 'cachefs[spoke]'`")
 
 
 def _run_foreground(config: MountConfig, notify: Any) -> int:
@@ -260,8 +357,8 @@ def _start_background(config: MountConfig, argv: list[str], timeout_s: float) ->
     """Start the daemon detached and wait until it reports the mount live (or an error)."""
     read_end, write_end = os.pipe()
     log_path = config.cache_dir / LOG_FILE
-    with open(log_path, "ab") as log_file:
-        os.chmod(log_path, 0o600)
+    with open(log_path, "ab", opener=lambda name, flags: os.open(name, flags, 0o600)) as log_file:
+        os.chmod(log_path, 0o600)  # made by an older cachefs, or under another umask
         child = subprocess.Popen(
             [sys.executable, "-m", "cachefs", *argv, "--ready-fd", str(write_end)],
             pass_fds=(write_end,),

@@ -20,8 +20,11 @@ from ..errors import HubProtocolError
 from .hub import BlockHub
 
 # Checksums are asked for 64 blocks at a time (512 bytes of answer): one
-# request per 64 MiB of a sequential read.
+# request per 64 MiB of a sequential read...
 SPAN_BLOCKS = 64
+# ... but blocks of at most this many bytes in all: what the hub hashes for one
+# request (hubserver/checksums.py MAX_HASHED_BYTES).
+HUB_MAX_HASHED_BYTES = 256 << 20
 # Remembered checksums (8 bytes each plus dict overhead, ~1 MB in all).
 REMEMBERED = 16384
 
@@ -32,14 +35,15 @@ class BlockChecksums:
     def __init__(self, client: BlockHub, block_size: int) -> None:
         self._client = client
         self._block_size = block_size
+        self._span_blocks = max(1, min(SPAN_BLOCKS, HUB_MAX_HASHED_BYTES // block_size))
         self._known: collections.OrderedDict[tuple[bytes, bytes, int], int] = collections.OrderedDict()
         self._spans_in_flight: dict[tuple[bytes, bytes, int], trio.Event] = {}
 
     async def expected(self, first: BlockKey, count: int) -> list[int]:
         """Checksums of blocks first.blockno .. +count of that file version."""
         wanted = [(first.file_id, first.version, first.blockno + i) for i in range(count)]
-        for span in sorted({blockno // SPAN_BLOCKS for _f, _v, blockno in wanted}):
-            if any(key not in self._known for key in wanted if key[2] // SPAN_BLOCKS == span):
+        for span in sorted({blockno // self._span_blocks for _f, _v, blockno in wanted}):
+            if any(key not in self._known for key in wanted if key[2] // self._span_blocks == span):
                 await self._load_span(first.file_id, first.version, span)
         sums = []
         for key in wanted:
@@ -73,8 +77,10 @@ class BlockChecksums:
             return
         event = self._spans_in_flight[flight_key] = trio.Event()
         try:
-            first = span * SPAN_BLOCKS
-            sums = await self._client.get_checksums(file_id.hex(), version.hex(), self._block_size, first, SPAN_BLOCKS)
+            first = span * self._span_blocks
+            sums = await self._client.get_checksums(
+                file_id.hex(), version.hex(), self._block_size, first, self._span_blocks
+            )
             for offset, checksum in enumerate(sums):
                 self._known[(file_id, version, first + offset)] = checksum
             self._trim()

@@ -175,6 +175,7 @@ class HubClient:
         self._read_timeout_s = read_timeout_s
         self._slots = trio.Semaphore(max_connections)
         self._idle: list[_Connection] = []
+        self.answers = 0  # responses received: unchanged since a moment, the hub answered nothing (fs/hub_silence.py)
         self._host_header = f"{url.host}:{url.port}".encode()
 
     async def aclose(self) -> None:
@@ -198,7 +199,7 @@ class HubClient:
         One request; exactly those bytes or an error. Receiving into one
         buffer per piece (a block, for the cache) avoids copying them apart.
         With `sums_block_size`, the hub also sends the checksums of the blocks
-        of that size the range overlaps: returned by block number (empty if
+        of that size the range covers whole: returned by block number (empty if
         the answer had none).
         """
         length = sum(lengths)
@@ -359,6 +360,7 @@ class HubClient:
                 event = await conn.next_event(self._read_timeout_s, RECEIVE_HEAD_BYTES)
                 if not isinstance(event, h11.Response):
                     raise HubProtocolError(f"unexpected reply from hub: {type(event).__name__}")
+                self.answers += 1
             except Exception as exc:
                 await conn.aclose()
                 if reused and isinstance(_translate(exc, self.url), (HubUnavailable, HubProtocolError)):

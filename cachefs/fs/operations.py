@@ -20,11 +20,13 @@ from typing import Any, TypeVar
 
 import pyfuse3
 
+from ..config import Ownership
 from ..errors import HubError, OpenInAnotherVersion, RemoteFileChanged
 from ..metrics import READ_DURATION, Stats
 from ..namespace.tree import KIND_DIR, KIND_FILE, Inode, Namespace
 from ..read.handles import OpenFiles
 from ..read.reader import Reader
+from .hub_silence import HubSilence
 from .passthrough import Passthrough
 
 log = logging.getLogger(__name__)
@@ -113,9 +115,9 @@ class CachefsOperations(pyfuse3.Operations):
         handles: OpenFiles,
         passthrough: Passthrough,
         stats: Stats,
+        hub_silence: HubSilence,
         *,
-        uid: int,
-        gid: int,
+        ownership: Ownership,
         attr_timeout_s: float,
         stats_json: Callable[[], dict[str, Any]],
     ) -> None:
@@ -123,10 +125,10 @@ class CachefsOperations(pyfuse3.Operations):
         self._namespace = namespace
         self._reader = reader
         self._passthrough = passthrough
+        self._hub_silence = hub_silence
         self.enable_passthrough = passthrough.enabled  # read by pyfuse3 at FUSE_INIT (patched build)
         self.stats = stats
-        self._uid = uid
-        self._gid = gid
+        self._ownership = ownership
         self._attr_timeout_s = attr_timeout_s
         self._stats_json = stats_json
         self._handles = handles
@@ -148,10 +150,10 @@ class CachefsOperations(pyfuse3.Operations):
     def _attributes(self, inode: Inode) -> pyfuse3.EntryAttributes:
         attr = pyfuse3.EntryAttributes()
         attr.st_ino = inode.ino
-        attr.st_mode = _KIND_BITS.get(inode.kind, stat.S_IFLNK) | inode.mode
+        attr.st_mode = _KIND_BITS.get(inode.kind, stat.S_IFLNK) | self._ownership.mode(inode.is_dir, inode.is_file, inode.mode)
         attr.st_nlink = 2 if inode.is_dir else 1
         attr.st_size = inode.size
-        attr.st_uid, attr.st_gid = self._uid, self._gid
+        attr.st_uid, attr.st_gid = self._ownership.uid, self._ownership.gid
         attr.st_blksize = self._reader.block_size
         attr.st_blocks = (inode.size + 511) // 512
         attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = inode.mtime_ns
@@ -257,13 +259,22 @@ class CachefsOperations(pyfuse3.Operations):
         if handle is None:
             raise pyfuse3.FUSEError(errno.EBADF)
         started = time.monotonic()
+        inode = handle.inode
+        block_size = self._reader.block_size
+        blocks = range(off // block_size, (min(off + size, inode.size) + block_size - 1) // block_size)
+        failed = self._hub_silence.failure(inode.file_id, inode.version, blocks, started)
+        if failed is not None:  # the kernel asking again for pages whose read just failed: not a second wait
+            log.error("cannot read %d bytes at %d of inode %d: %s", size, off, inode.ino, failed)
+            raise pyfuse3.FUSEError(errno.EIO)
+        answers = self._hub_silence.answers()
         try:
             return await self._reader.read(handle, off, size)
         except RemoteFileChanged as exc:
-            log.error("cannot read %d bytes at %d of inode %d: %s", size, off, handle.inode.ino, exc)
+            log.error("cannot read %d bytes at %d of inode %d: %s", size, off, inode.ino, exc)
             raise pyfuse3.FUSEError(errno.ESTALE) from None
         except HubError as exc:
-            log.error("cannot read %d bytes at %d of inode %d: %s", size, off, handle.inode.ino, exc)
+            log.error("cannot read %d bytes at %d of inode %d: %s", size, off, inode.ino, exc)
+            self._hub_silence.read_failed(inode.file_id, inode.version, blocks, exc, answers, time.monotonic())
             raise pyfuse3.FUSEError(errno.EIO) from None
         finally:
             READ_DURATION.observe(time.monotonic() - started)
