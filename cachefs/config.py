@@ -271,7 +271,9 @@ class MemoryBudget:
 
     block_size_bytes: int
     # Blocks readers used lately, kept so the kernel's smaller requests into one
-    # block cost one disk read (memory_blocks of them: one each for 8 readers).
+    # block cost one disk read: memory_blocks of them (one each for 8 readers),
+    # counted in blocks too, so a walk of small files keeps no more of them.
+    demand_blocks: int
     demand_bytes: int
     # Demand fetches the kernel can have waiting at once: one block for each of
     # its background requests (fuse_max_background).
@@ -323,6 +325,7 @@ def memory_budget(config: MountConfig) -> MemoryBudget:
     block = config.block_size_bytes
     return MemoryBudget(
         block_size_bytes=block,
+        demand_blocks=config.memory_blocks,
         demand_bytes=config.memory_blocks * block,
         demand_fetch_bytes=config.fuse_max_background * block,
         write_queue_bytes=16 * MiB,

@@ -35,9 +35,9 @@ BLOCK = 1 << 20
 def budget_of(read_ahead_held_bytes: int = 16 * BLOCK, stale_s: float = 5.0) -> MemoryBudget:
     """The memory budget of a mount of 1 MiB blocks, with read-ahead's held share as given."""
     return MemoryBudget(
-        block_size_bytes=BLOCK, demand_bytes=8 * BLOCK, demand_fetch_bytes=32 * BLOCK, write_queue_bytes=16 * BLOCK,
-        read_ahead_runs_bytes=64 * BLOCK, read_ahead_held_bytes=read_ahead_held_bytes, read_ahead_max_age_s=30,
-        read_ahead_stale_s=stale_s, plan_bytes=96 * BLOCK,
+        block_size_bytes=BLOCK, demand_blocks=8, demand_bytes=8 * BLOCK, demand_fetch_bytes=32 * BLOCK,
+        write_queue_bytes=16 * BLOCK, read_ahead_runs_bytes=64 * BLOCK, read_ahead_held_bytes=read_ahead_held_bytes,
+        read_ahead_max_age_s=30, read_ahead_stale_s=stale_s, plan_bytes=96 * BLOCK,
     )
 
 

@@ -201,12 +201,16 @@ class HeldBlocks:
             self._writing_bytes[owner] += len(held.data)
 
     def _trim_demand(self) -> None:
-        """Least recently used DEMAND blocks out while over its share (not those being written)."""
-        limit = self._budget.demand_bytes
-        if self._bytes[Owner.DEMAND] <= limit:
+        """Least recently used DEMAND blocks out while over its share in bytes or blocks (not those being written)."""
+        order, budget = self._order[Owner.DEMAND], self._budget
+
+        def over() -> bool:
+            return self._bytes[Owner.DEMAND] > budget.demand_bytes or len(order) > budget.demand_blocks
+
+        if not over():
             return
         for key, held in self.keys_of(Owner.DEMAND):
-            if self._bytes[Owner.DEMAND] <= limit:
+            if not over():
                 return
             if not held.writing:
                 self.drop(key)
