@@ -1,0 +1,120 @@
+"""Read-ahead's policies against a fake hub, in trio's mock clock: the window, the next file,
+small files after an opened one, and staying off files a plan covers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import trio
+from spoke_parts import BLOCK, KiB, NoPlans, Spoke, running_spoke
+
+from cachefs.config import COALESCE_BLOCKS
+from cachefs.namespace.tree import Inode
+
+ANSWER_S = 0.01  # the fake hub's delay: every request takes a little time, as on a link
+
+
+async def read_blocks(spoke: Spoke, path: str, blocks: list[int]) -> list[int]:
+    """Read whole blocks of `path` one after the other; after each, how far beyond it the hub was asked."""
+    handle = spoke.open(path)
+    reach = []
+    for blockno in blocks:
+        assert await spoke.read(handle, blockno * BLOCK, BLOCK) == spoke.block(path, blockno)
+        await trio.sleep(1)  # read-ahead's runs go out
+        reach.append(max(spoke.blocks_asked(path)) - blockno)
+    return reach
+
+
+@pytest.mark.trio
+async def test_read_ahead_window_doubles_while_reads_are_sequential_and_resets_on_a_seek(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    async with running_spoke(tmp_path, {"a.bin": os.urandom(300 * BLOCK)}, readahead_blocks=32) as spoke:
+        spoke.hub.delay_s = ANSWER_S
+        # Three reads in a row make a stream (from mid-file); then the window doubles to its limit
+        # (and stays there: asked in whole runs, it reaches up to a run short of it between asks).
+        reach = await read_blocks(spoke, "a.bin", list(range(10, 24)))
+        assert reach[:6] == [0, 0, 4, 8, 16, 32]
+        assert max(reach[6:]) == 32 and min(reach[6:]) > 32 - COALESCE_BLOCKS
+        # A seek starts over: no read-ahead until it is a stream again, then the smallest window.
+        assert (await read_blocks(spoke, "a.bin", list(range(200, 205)))) == [0, 0, 4, 8, 16]
+
+
+@pytest.mark.trio
+async def test_a_stream_from_the_first_byte_starts_sooner_with_a_larger_window(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    async with running_spoke(tmp_path, {"a.bin": os.urandom(100 * BLOCK)}, readahead_blocks=64) as spoke:
+        assert await read_blocks(spoke, "a.bin", [0, 1, 2]) == [0, 16, 32]
+
+
+@pytest.mark.trio
+async def test_a_sequential_reader_gets_every_block_from_read_ahead_asked_once(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    data = os.urandom(50 * BLOCK + 5 * KiB)
+    async with running_spoke(tmp_path, {"a.bin": data}, readahead_blocks=16) as spoke:
+        spoke.hub.delay_s = ANSWER_S
+        handle = spoke.open("a.bin")
+        got = b"".join([await spoke.read(handle, offset, 128 * KiB) for offset in range(0, len(data), 128 * KiB)])
+        assert got == data
+        asked = spoke.blocks_asked("a.bin")
+        assert sorted(asked) == list(range(51))  # each block once: no reader fetched one read ahead
+        # Only the stream's first two reads (before it was one) missed; read-ahead served the rest.
+        assert spoke.stats.block_misses == 4 and spoke.stats.readahead_used == len(asked) - 4
+
+
+@pytest.mark.trio
+async def test_random_reads_start_no_read_ahead(tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
+    async with running_spoke(tmp_path, {"a.bin": os.urandom(100 * BLOCK)}, cache_bytes=8 * BLOCK) as spoke:
+        blocks = [37, 5, 80, 81, 12, 60, 61, 62, 3, 90]  # some adjacent pairs and a triple among them
+        handle = spoke.open("a.bin")
+        for blockno in blocks:
+            await spoke.read(handle, blockno * BLOCK + 100, 4 * KiB)
+        await trio.sleep(5)
+        assert spoke.blocks_asked("a.bin") == blocks
+
+
+@pytest.mark.trio
+async def test_read_ahead_runs_on_into_the_head_of_the_next_large_file(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    files = {"shards/0.bin": os.urandom(20 * BLOCK), "shards/1.bin": os.urandom(20 * BLOCK)}
+    async with running_spoke(tmp_path, files, readahead_blocks=8) as spoke:
+        await read_blocks(spoke, "shards/0.bin", list(range(20)))
+        assert spoke.blocks_asked("shards/1.bin")[:4] == [0, 1, 2, 3]  # before anyone opened it
+        head = await spoke.read(spoke.open("shards/1.bin"), 0, BLOCK)
+        assert head == spoke.block("shards/1.bin", 0) and spoke.blocks_asked("shards/1.bin").count(0) == 1
+
+
+@pytest.mark.trio
+async def test_opening_a_small_file_prefetches_the_files_after_it_in_one_batch(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    files = {f"images/{index:03d}.jpg": os.urandom(3 * KiB + index) for index in range(20)}
+    async with running_spoke(tmp_path, files, sibling_prefetch_files=8) as spoke:
+        first = spoke.open("images/000.jpg")
+        assert await spoke.read(first, 0, 64 * KiB) == files["images/000.jpg"]
+        await trio.sleep(1)
+        batches = [request for request in spoke.hub.requests if request.kind == "batch"]
+        assert len(batches) == 1 and batches[0].file_ids == tuple(
+            spoke.key(f"images/{index:03d}.jpg", 0).file_id.hex() for index in range(1, 9))
+        before = len(spoke.hub.requests)
+        for index in range(1, 9):
+            path = f"images/{index:03d}.jpg"
+            assert await spoke.read(spoke.open(path), 0, 64 * KiB) == files[path]
+        assert not [request for request in spoke.hub.requests[before:]
+                    if set(request.file_ids) & {spoke.key(f"images/{i:03d}.jpg", 0).file_id.hex() for i in range(1, 9)}]
+
+
+class CoversEverything(NoPlans):
+    def covers(self, inode: Inode) -> bool:
+        return True
+
+
+@pytest.mark.trio
+async def test_read_ahead_stays_off_a_file_a_plan_covers(tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
+    async with running_spoke(tmp_path, {"a.bin": os.urandom(40 * BLOCK)}, coverage=CoversEverything()) as spoke:
+        assert await read_blocks(spoke, "a.bin", list(range(10))) == [0] * 10
