@@ -115,6 +115,15 @@ class Spoke:
         """What the hub holds of the block."""
         return self.files[path][blockno * self.block_size : (blockno + 1) * self.block_size]
 
+    async def written(self) -> None:
+        """Until every block fetched so far is through the cache writer. Waited for in a loop:
+        the writer works in a thread, and while it does the mock clock jumps to the next
+        deadline (`Fetcher.written`'s timeout among them)."""
+        keys = {self.key(path, blockno) for path, data in self.files.items()
+                for blockno in range(-(-len(data) // self.block_size))}
+        while any(self.fetcher.flight(key) is not None for key in keys):
+            await self.fetcher.written(keys)
+
     def blocks_asked(self, path: str) -> list[int]:
         return self.hub.blocks_asked(file_id_of(path), self.block_size)
 

@@ -1,0 +1,111 @@
+"""Plan prefetch against a fake hub, in trio's mock clock: what a loader's plan has fetched, how
+far ahead, and what happens to it when the plan ends."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from spoke_parts import BLOCK, Spoke, budget_of, running_spoke
+
+from cachefs.control.server import Lines
+
+PATH = "data/a.bin"
+PLAN_BLOCKS = 8  # the plan's share of the memory budget, in blocks
+
+
+@contextlib.asynccontextmanager
+async def following_plan(spoke: Spoke, order: list[int], result: dict[str, Any]) -> AsyncIterator[None]:
+    """A loader's plan to read whole blocks of PATH in `order`, sent over a control connection
+    that the block's end closes; the planner's answer lands in `result`."""
+    send, receive = trio.testing.memory_stream_one_way_pair()
+    text = "".join(json.dumps(line) + "\n" for line in (
+        {"files": [PATH]}, {"reads": [[0, blockno * BLOCK, BLOCK] for blockno in order]}, {"end": True}))
+    lines = Lines(receive, text.encode())  # type: ignore[arg-type]  # a stream like the socket's
+
+    async def progress(message: dict[str, Any]) -> None:
+        pass
+
+    async def client() -> None:
+        assert spoke.planner is not None
+        result.update(await spoke.planner.handle_plan({"epoch": 0}, progress, lines))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client)
+        await trio.sleep(1)  # accepted and prefetching
+        yield
+        await send.aclose()
+
+
+def shuffled_blocks(count: int) -> list[int]:
+    order = list(range(count))
+    random.Random(7).shuffle(order)
+    return order
+
+
+@pytest.mark.trio
+async def test_a_plan_prefetches_its_next_blocks_no_further_than_its_budget(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    order = shuffled_blocks(100)
+    budget = budget_of(plan_bytes=PLAN_BLOCKS * BLOCK)
+    async with running_spoke(tmp_path, {PATH: os.urandom(100 * BLOCK)}, planner=True, budget=budget,
+                             readahead_blocks=0) as spoke:
+        spoke.hub.delay_s = 0.01
+        async with following_plan(spoke, order, {}):
+            await trio.sleep(10)  # nobody reads: the prefetch stops at the budget
+            assert sorted(spoke.blocks_asked(PATH)) == sorted(order[:PLAN_BLOCKS])
+            handle = spoke.open(PATH)
+            for blockno in order[:4]:
+                assert await spoke.read(handle, blockno * BLOCK, BLOCK) == spoke.block(PATH, blockno)
+            await trio.sleep(10)
+            # The reads found their blocks held, and as many blocks further were fetched in their place.
+            assert sorted(spoke.blocks_asked(PATH)) == sorted(order[: PLAN_BLOCKS + 4])
+            assert spoke.stats.plan_prefetch_used_blocks == 4 and spoke.stats.block_misses == 0
+
+
+@pytest.mark.trio
+async def test_a_plan_that_ends_stops_its_prefetch_and_counts_what_it_held_wasted(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    order = shuffled_blocks(100)
+    budget = budget_of(plan_bytes=PLAN_BLOCKS * BLOCK)
+    result: dict[str, Any] = {}
+    async with running_spoke(tmp_path, {PATH: os.urandom(100 * BLOCK)}, planner=True, budget=budget,
+                             readahead_blocks=0) as spoke:
+        async with following_plan(spoke, order, result):
+            handle = spoke.open(PATH)
+            for blockno in order[:2]:
+                await spoke.read(handle, blockno * BLOCK, BLOCK)
+            await trio.sleep(10)
+            await spoke.written()  # held for the plan now, no longer on their way to the cache
+        asked = len(spoke.blocks_asked(PATH))
+        assert result["state"] == "cancelled" and result["prefetched_blocks"] == asked == PLAN_BLOCKS + 2
+        assert result["prefetch_used_blocks"] == 2 and spoke.stats.plan_prefetch_wasted_blocks == PLAN_BLOCKS
+        for blockno in order[20:24]:  # what the plan would have read next: fetched on demand, nothing more
+            await spoke.read(handle, blockno * BLOCK, BLOCK)
+        await trio.sleep(10)
+        assert spoke.blocks_asked(PATH)[asked:] == order[20:24]
+
+
+@pytest.mark.trio
+async def test_a_plan_read_to_its_end_finishes_by_itself(tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
+    order = shuffled_blocks(30)
+    result: dict[str, Any] = {}
+    async with running_spoke(tmp_path, {PATH: os.urandom(30 * BLOCK)}, planner=True, readahead_blocks=0) as spoke:
+        async with following_plan(spoke, order, result):
+            handle = spoke.open(PATH)
+            for blockno in order:
+                assert await spoke.read(handle, blockno * BLOCK, BLOCK) == spoke.block(PATH, blockno)
+            await trio.sleep(1)
+            assert result["state"] == "finished"
+        assert sorted(spoke.blocks_asked(PATH)) == list(range(30))  # each block asked once
+        assert result["prefetch_used_blocks"] == 30 - spoke.stats.block_misses
