@@ -164,15 +164,17 @@ async def running_spoke(
                 await nursery.start(fetcher.run_writer)
                 follower = None
                 if planner:
-                    follower = Planner(namespace, cache, fetcher, held, plans, stats, budget=budget, cache_dir=directory)
+                    follower = Planner(namespace, cache, fetcher, held, plans, stats, budget=budget,
+                                       cache_dir=directory)
                     await nursery.start(follower.run)
-                readahead = ReadAhead(namespace, cache, fetcher, plans if planner else coverage or NoPlans(), stats,
-                                      block_size=block_size, readahead_blocks=readahead_blocks,
+                readahead = ReadAhead(namespace, cache, fetcher, plans if planner else coverage or NoPlans(),
+                                      stats, block_size=block_size, readahead_blocks=readahead_blocks,
                                       sibling_prefetch_files=sibling_prefetch_files, nursery=nursery)
                 source = BlockSource(held, cache, fetcher, stats)
                 reader = Reader(source, cache.sketch, claims, follower or NoPlans(), readahead, stats,
                                 block_size=block_size)
-                yield Spoke(hub, files, namespace, cache, held, stats, fetcher, source, reader, follower, block_size)
+                yield Spoke(hub, files, namespace, cache, held, stats, fetcher, source, reader, follower,
+                            block_size)
                 nursery.cancel_scope.cancel()
         finally:
             index_db.close()

@@ -12,13 +12,14 @@ from spoke_parts import BLOCK, KiB, NoPlans, Spoke, running_spoke
 
 from cachefs.config import COALESCE_BLOCKS
 from cachefs.namespace.tree import Inode
+from cachefs.read.handles import OpenFile
 
 ANSWER_S = 0.01  # the fake hub's delay: every request takes a little time, as on a link
 
 
-async def read_blocks(spoke: Spoke, path: str, blocks: list[int]) -> list[int]:
-    """Read whole blocks of `path` one after the other; after each, how far beyond it the hub was asked."""
-    handle = spoke.open(path)
+async def read_blocks(spoke: Spoke, handle: OpenFile, blocks: list[int]) -> list[int]:
+    """Read whole blocks through `handle` one after the other; after each, how far beyond it the hub was asked."""
+    path = next(name for name in spoke.files if spoke.inode(name) == handle.inode)
     reach = []
     for blockno in blocks:
         assert await spoke.read(handle, blockno * BLOCK, BLOCK) == spoke.block(path, blockno)
@@ -35,11 +36,12 @@ async def test_read_ahead_window_doubles_while_reads_are_sequential_and_resets_o
         spoke.hub.delay_s = ANSWER_S
         # Three reads in a row make a stream (from mid-file); then the window doubles to its limit
         # (and stays there: asked in whole runs, it reaches up to a run short of it between asks).
-        reach = await read_blocks(spoke, "a.bin", list(range(10, 24)))
+        handle = spoke.open("a.bin")
+        reach = await read_blocks(spoke, handle, list(range(10, 24)))
         assert reach[:6] == [0, 0, 4, 8, 16, 32]
         assert max(reach[6:]) == 32 and min(reach[6:]) > 32 - COALESCE_BLOCKS
         # A seek starts over: no read-ahead until it is a stream again, then the smallest window.
-        assert (await read_blocks(spoke, "a.bin", list(range(200, 205)))) == [0, 0, 4, 8, 16]
+        assert await read_blocks(spoke, handle, list(range(200, 205))) == [0, 0, 4, 8, 16]
 
 
 @pytest.mark.trio
@@ -47,7 +49,7 @@ async def test_a_stream_from_the_first_byte_starts_sooner_with_a_larger_window(
     tmp_path: Path, autojump_clock: trio.abc.Clock
 ) -> None:
     async with running_spoke(tmp_path, {"a.bin": os.urandom(100 * BLOCK)}, readahead_blocks=64) as spoke:
-        assert await read_blocks(spoke, "a.bin", [0, 1, 2]) == [0, 16, 32]
+        assert await read_blocks(spoke, spoke.open("a.bin"), [0, 1, 2]) == [0, 16, 32]
 
 
 @pytest.mark.trio
@@ -83,7 +85,7 @@ async def test_read_ahead_runs_on_into_the_head_of_the_next_large_file(
 ) -> None:
     files = {"shards/0.bin": os.urandom(20 * BLOCK), "shards/1.bin": os.urandom(20 * BLOCK)}
     async with running_spoke(tmp_path, files, readahead_blocks=8) as spoke:
-        await read_blocks(spoke, "shards/0.bin", list(range(20)))
+        await read_blocks(spoke, spoke.open("shards/0.bin"), list(range(20)))
         assert spoke.blocks_asked("shards/1.bin")[:4] == [0, 1, 2, 3]  # before anyone opened it
         head = await spoke.read(spoke.open("shards/1.bin"), 0, BLOCK)
         assert head == spoke.block("shards/1.bin", 0) and spoke.blocks_asked("shards/1.bin").count(0) == 1
@@ -117,4 +119,4 @@ class CoversEverything(NoPlans):
 @pytest.mark.trio
 async def test_read_ahead_stays_off_a_file_a_plan_covers(tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
     async with running_spoke(tmp_path, {"a.bin": os.urandom(40 * BLOCK)}, coverage=CoversEverything()) as spoke:
-        assert await read_blocks(spoke, "a.bin", list(range(10))) == [0] * 10
+        assert await read_blocks(spoke, spoke.open("a.bin"), list(range(10))) == [0] * 10
