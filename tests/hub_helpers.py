@@ -16,6 +16,7 @@ available as ``hub.stderr_text()``. The hub is always stopped on leaving the
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import os
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -242,7 +244,7 @@ class Reply:
 
 
 def http_get(
-    hub: HubProcess,
+    hub: HubProcess | str,
     path: str,
     headers: Mapping[str, str] | None = None,
     *,
@@ -250,13 +252,18 @@ def http_get(
     method: str = "GET",
     timeout_s: float = 10.0,
 ) -> Reply:
-    """One request on a fresh connection, the path sent exactly as given.
-    HTTPS when ``ssl_context`` is given."""
+    """One request on a fresh connection to a hub (or a server at a base URL such as
+    "http://127.0.0.1:8080"), the path sent exactly as given. HTTPS when ``ssl_context`` is given."""
+    if isinstance(hub, str):
+        address = urllib.parse.urlsplit(hub)
+        host, port = address.hostname or "127.0.0.1", address.port or 80
+    else:
+        host, port = hub.host, hub.port
     conn: http.client.HTTPConnection
     if ssl_context is not None:
-        conn = http.client.HTTPSConnection(hub.host, hub.port, timeout=timeout_s, context=ssl_context)
+        conn = http.client.HTTPSConnection(host, port, timeout=timeout_s, context=ssl_context)
     else:
-        conn = http.client.HTTPConnection(hub.host, hub.port, timeout=timeout_s)
+        conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
         conn.request(method, path, headers=dict(headers or {}))
         response = conn.getresponse()
@@ -264,6 +271,56 @@ def http_get(
         return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, body)
     finally:
         conn.close()
+
+
+@dataclass
+class Manifest:
+    """A hub's manifest as served: its header, entries (and their lines as sent), and the reply."""
+
+    header: dict[str, Any]
+    entries: list[dict[str, Any]]
+    entry_lines: list[bytes]
+    reply: Reply
+
+    def by_path(self) -> dict[str, dict[str, Any]]:
+        return {str(entry["p"]): entry for entry in self.entries}
+
+    def file(self, path: str) -> dict[str, Any]:
+        return self.by_path()[path]
+
+    def files(self) -> dict[str, dict[str, Any]]:
+        """The regular files' entries, by path."""
+        return {path: entry for path, entry in self.by_path().items() if entry["k"] == "f"}
+
+
+def fetch_manifest(
+    hub: HubProcess | str, headers: Mapping[str, str] | None = None, *, ssl_context: ssl.SSLContext | None = None
+) -> Manifest:
+    """GET /v1/manifest from a hub (or a server in front of one, at a base URL); it must answer 200."""
+    reply = http_get(hub, "/v1/manifest", headers, ssl_context=ssl_context, timeout_s=30.0)
+    assert reply.status == 200, (reply.status, reply.body[:200])
+    lines = gzip.decompress(reply.body).splitlines(keepends=True)
+    assert all(line.endswith(b"\n") for line in lines)
+    return Manifest(json.loads(lines[0]), [json.loads(line) for line in lines[1:]], lines[1:], reply)
+
+
+def hub_health(hub: HubProcess | str) -> dict[str, Any]:
+    """GET /healthz."""
+    reply = http_get(hub, "/healthz")
+    assert reply.status == 200, (reply.status, reply.body[:200])
+    return reply.json()
+
+
+def wait_for_generation_change(hub: HubProcess | str, before: str, timeout_s: float = 30.0) -> None:
+    """Until the hub serves a generation other than `before` (it rescanned)."""
+    assert wait_until(lambda: hub_health(hub)["generation"] != before, timeout_s, interval_s=0.1), "the hub did not rescan"
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (the kernel's choice, released at once)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def raw_exchange(host: str, port: int, data: bytes, timeout_s: float = 5.0) -> tuple[bytes, bool]:

@@ -10,10 +10,12 @@ import ctypes
 import json
 import mmap
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,10 +38,17 @@ def run_cachefs(*args: str | os.PathLike[str], timeout_s: float = MOUNT_TIMEOUT_
     )
 
 
+def mountinfo_path(field: str) -> str:
+    """A path as /proc/self/mountinfo writes it, with its octal escapes (\\040 for a space,
+    \\011, \\012, \\134) decoded."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
 def is_mounted(path: Path) -> bool:
+    """Whether something is mounted exactly at `path`."""
     target = os.path.abspath(path)
-    with open("/proc/self/mountinfo") as table:
-        return any(line.split()[4] == target for line in table)
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as table:
+        return any(mountinfo_path(line.split()[4]) == target for line in table)
 
 
 def daemon_pid(cache_dir: Path) -> int | None:
@@ -190,3 +199,57 @@ def evict_from_page_cache(paths: list[Path], timeout_s: float = 2.0) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
+
+
+def read_uncached(path: Path, offset: int = 0, length: int | None = None, timings: list[float] | None = None) -> bytes:
+    """pread through the mount after dropping the kernel's page cache for the file,
+    so the bytes come from the daemon, not from an earlier read. `timings` gets
+    the duration of each pread (each one is a bounded FUSE request)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if length is None:
+            length = os.fstat(fd).st_size - offset
+        chunks = []
+        while length > 0:
+            started = time.monotonic()
+            chunk = os.pread(fd, length, offset)
+            if timings is not None:
+                timings.append(time.monotonic() - started)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            offset += len(chunk)
+            length -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def assert_clean_failure(result, *fragments: str) -> None:
+    assert result.returncode != 0, result.stdout
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def metrics_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        return answer.read().decode()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text: `name{labels}` as written -> value."""
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def spoke_metrics(port: int) -> dict[str, float]:
+    """A spoke's metrics at 127.0.0.1:`port`."""
+    return parse_metrics(metrics_text(f"http://127.0.0.1:{port}/metrics"))

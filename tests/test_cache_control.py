@@ -25,10 +25,10 @@ from mount_helpers import (
     cache_disk_bytes,
     cachefs_command,
     mounted_spoke,
+    read_uncached,
     run_cachefs,
     wait_for_stats,
 )
-from test_mount import read_uncached
 
 # No read-ahead: every block a test reads is a demand access it can count.
 PLAIN_ARGS = (*SPOKE_ARGS, "--readahead-blocks", "0", "--prefetch-siblings", "0")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,32 +11,17 @@ from pathlib import Path
 
 import pytest
 from conftest import SPOKE_ARGS
-from hub_helpers import hub_env
-from mount_helpers import SpokeMount, daemon_pid, is_mounted, mounted_spoke, run_cachefs
+from hub_helpers import free_port, hub_env
+from mount_helpers import SpokeMount, assert_clean_failure, daemon_pid, is_mounted, mounted_spoke, run_cachefs
 
 import cachefs
 from cachefs.fs.mountpoints import mount_of, network_file_system
 
 
-def assert_clean_failure(result, *fragments: str) -> None:
-    assert result.returncode != 0, result.stdout
-    assert "Traceback" not in result.stderr + result.stdout
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-
-
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_hub_unreachable_at_mount(tmp_path: Path) -> None:
     (tmp_path / "mnt").mkdir()
     started = time.monotonic()
-    result = run_cachefs("mount", f"http://127.0.0.1:{closed_port()}", tmp_path / "mnt", "--cache-dir", tmp_path / "c")
+    result = run_cachefs("mount", f"http://127.0.0.1:{free_port()}", tmp_path / "mnt", "--cache-dir", tmp_path / "c")
     assert_clean_failure(result, "cannot get the manifest", "127.0.0.1")
     assert time.monotonic() - started < 60
     assert not is_mounted(tmp_path / "mnt")

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mount_helpers import mounted_spoke, run_cachefs
-from test_cli_errors import assert_clean_failure
+from mount_helpers import assert_clean_failure, mounted_spoke, run_cachefs
 
 
 def test_config_file_options_and_flags_override(hub, tmp_path: Path, dataset: Path) -> None:

@@ -18,9 +18,8 @@ import pytest
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE
 from fault_proxy import running_fault_proxy
-from hub_helpers import running_hub, wait_until
-from mount_helpers import cache_data_files, mounted_spoke, run_cachefs, wait_for_stats
-from test_mount import read_uncached
+from hub_helpers import hub_health, running_hub, wait_for_generation_change, wait_until
+from mount_helpers import cache_data_files, mounted_spoke, read_uncached, run_cachefs, wait_for_stats
 
 from cachefs import plan as cachefs_plan
 
@@ -33,7 +32,7 @@ def test_changed_file_is_refused_not_mixed_and_refresh_moves_on(dataset: Path, t
     changed, unchanged = source / "shards/shard-001.bin", source / "shards/shard-000.bin"
     old_bytes = changed.read_bytes()
     with running_hub(source) as hub:
-        generation_before = health(hub.url)["generation"]
+        generation_before = hub_health(hub)["generation"]
         with mounted_spoke(hub.url, tmp_path, ARGS) as spoke:
             mounted_changed = spoke.mountpoint / "shards/shard-001.bin"
             mounted_unchanged = spoke.mountpoint / "shards/shard-000.bin"
@@ -59,7 +58,7 @@ def test_changed_file_is_refused_not_mixed_and_refresh_moves_on(dataset: Path, t
 
             # The hub rescans on SIGUSR1 and publishes a new generation; refresh moves the mount to it.
             hub.proc.send_signal(signal.SIGUSR1)
-            wait_for_generation_change(hub.url, generation_before)
+            wait_for_generation_change(hub, generation_before)
             fetched_before = spoke.stats()["fetched_bytes"]
             result = run_cachefs("refresh", spoke.mountpoint)
             assert result.returncode == 0, result.stderr
@@ -72,18 +71,6 @@ def test_changed_file_is_refused_not_mixed_and_refresh_moves_on(dataset: Path, t
             assert spoke.stats()["fetched_bytes"] - fetched_before == fetched
             again = run_cachefs("refresh", spoke.mountpoint)
             assert again.returncode == 0 and "already shows" in again.stdout
-
-
-def health(url: str) -> dict:
-    with urllib.request.urlopen(url + "/healthz", timeout=10) as response:
-        return json.load(response)
-
-
-def wait_for_generation_change(url: str, before: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while health(url)["generation"] == before:
-        assert time.monotonic() < deadline, "the hub did not rescan"
-        time.sleep(0.1)
 
 
 def test_a_changed_file_in_a_batch_fails_alone(dataset: Path, tmp_path: Path) -> None:

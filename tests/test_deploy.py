@@ -7,13 +7,11 @@ the manifests. The nginx tier has its own file, test_regional_cache.py.
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import re
 import select
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -29,7 +27,7 @@ from typing import Any
 import pytest
 import yaml
 from dataset import source_files
-from hub_helpers import HubProcess, hub_env, running_hub
+from hub_helpers import HubProcess, fetch_manifest, free_port, hub_env, running_hub
 from mount_helpers import SpokeMount, daemon_pid, is_mounted, mounted_spoke, run_cachefs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -300,9 +298,7 @@ def test_hub_serves_with_the_units_privileges(dataset: Path) -> None:
             pytest.fail(f"the hub did not start with the unit's privileges: {line!r}\n{proc.stderr.read()}")
         url = line.split(" on ", 1)[1].strip()
         shard = sorted((dataset / "shards").iterdir())[0]
-        with urllib.request.urlopen(url + "/v1/manifest", timeout=30) as answer:
-            entries = [json.loads(x) for x in gzip.decompress(answer.read()).splitlines()[1:]]
-        record = next(e for e in entries if e["p"] == f"shards/{shard.name}")
+        record = fetch_manifest(url).file(f"shards/{shard.name}")
         block_url = f"{url}/v1/files/{record['i']}?v={record['v']}"
         request = urllib.request.Request(block_url, headers={"Range": "bytes=0-99999"})
         with urllib.request.urlopen(request, timeout=30) as answer:
@@ -359,7 +355,7 @@ def test_mount_helper_mounts_and_unmounts(hub: HubProcess, dataset: Path, tmp_pa
     mountpoint, cache_dir = tmp_path / "data", tmp_path / "cache"
     mountpoint.mkdir()
     try:
-        port = free_loopback_port()
+        port = free_port()
         options = f"cache_dir={cache_dir},cache_size=64M,_netdev,metrics_listen=127.0.0.1:{port}"
         result = run_helper(hub.url, mountpoint, "-o", options)
         assert result.returncode == 0, result.stderr
@@ -482,16 +478,10 @@ def scrape_metric_names(url: str) -> set[str]:
     }
 
 
-def free_loopback_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def known_metric_names(hub: HubProcess, dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> set[str]:
     """Every metric family a running hub and a running spoke export."""
-    port = free_loopback_port()
+    port = free_port()
     with mounted_spoke(hub.url, tmp_path_factory.mktemp("metrics"), ["--metrics-listen", f"127.0.0.1:{port}"]) as spoke:
         (spoke.mountpoint / source_files(dataset)[0]).read_bytes()  # so that every histogram has samples
         spoke_names = scrape_metric_names(f"http://127.0.0.1:{port}/metrics")
@@ -666,7 +656,7 @@ def running_prometheus(workdir: Path, targets: dict[str, str]) -> Iterator[str]:
     assert {job["job_name"] for job in config["scrape_configs"]} == set(targets)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_loopback_port()
+    port = free_port()
     with open(workdir / "prometheus.log", "wb") as log:
         proc = subprocess.Popen(
             [require_tool("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
@@ -716,7 +706,7 @@ def test_live_prometheus_fills_the_dashboard_and_alerts_on_a_failed_read(dataset
     config and rules: every dashboard query returns series, nothing alerts
     while all is well, and the spoke's first failed read raises
     CachefsReadsFailing and CachefsFetchesGivenUp."""
-    spoke_port = free_loopback_port()
+    spoke_port = free_port()
     args = ["--fetch-timeout", "1", "--prefetch-siblings", "0", "--metrics-listen", f"127.0.0.1:{spoke_port}"]
     with (
         running_hub(dataset) as hub,

@@ -30,10 +30,10 @@ from mount_helpers import (
     daemon_pid,
     is_mounted,
     mounted_spoke,
+    read_uncached,
     run_cachefs,
     wait_until_gone,
 )
-from test_mount import read_uncached
 
 from cachefs.errors import (
     FetchAbandoned,
@@ -218,7 +218,6 @@ def test_sigkill_in_the_middle_of_filling_leaves_a_consistent_cache(dataset: Pat
             stats = spoke.stats()
             assert stats["corrupt_blocks"] == 0  # no torn block was ever indexed
             assert cache_disk_bytes(cache_dir) >= stats["cached_bytes"]
-
 
 
 def timed_failure(read: Callable[[], object]) -> tuple[float, int | None]:

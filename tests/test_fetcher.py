@@ -17,8 +17,7 @@ import trio
 import trio.testing
 from cache_helpers import block_cache
 from fault_proxy import running_fault_proxy
-from hub_helpers import HubProcess, running_hub, scrape_metrics
-from test_hub_checksums import manifest_files
+from hub_helpers import HubProcess, fetch_manifest, running_hub, scrape_metrics
 
 from cachefs.cache import BlockCache, BlockKey
 from cachefs.config import MemoryBudget, parse_hub_url
@@ -51,7 +50,7 @@ def big_file_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str
     root = tmp_path_factory.mktemp("hub-data")
     (root / "big.bin").write_bytes(os.urandom(BLOCKS * BLOCK))
     with running_hub(root) as hub:
-        entry = manifest_files(hub.url)["big.bin"]
+        entry = fetch_manifest(hub).files()["big.bin"]
         yield hub.url, {**entry, "path": root / "big.bin", "hub": hub}
 
 
@@ -303,7 +302,7 @@ def small_files_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
     for number in range(SMALL_FILES):
         (root / f"f{number:02}").write_bytes(os.urandom(20_000 + number))
     with running_hub(root) as hub:
-        entries = manifest_files(hub.url)
+        entries = fetch_manifest(hub).files()
         yield hub.url, [{**entries[f"f{number:02}"], "path": root / f"f{number:02}"} for number in range(SMALL_FILES)]
 
 

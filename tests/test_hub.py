@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import xxhash
-from hub_helpers import HubProcess, Reply, run_hub_cli, running_hub
+from hub_helpers import HubProcess, Manifest, fetch_manifest, run_hub_cli, running_hub
 from hub_helpers import http_get as get
 
 from cachefs.db import open_namespace_db
@@ -62,28 +62,6 @@ EXPECTED_ORDER = [
 
 
 # --------------------------------------------------------------- client side
-
-
-@dataclass
-class Manifest:
-    header: dict[str, Any]
-    entries: list[dict[str, Any]]
-    entry_lines: list[bytes]
-    reply: Reply
-
-    def by_path(self) -> dict[str, dict[str, Any]]:
-        return {str(e["p"]): e for e in self.entries}
-
-
-def fetch_manifest(hub: HubProcess) -> Manifest:
-    reply = get(hub, "/v1/manifest")
-    assert reply.status == 200, reply.body
-    raw = gzip.decompress(reply.body)
-    lines = raw.splitlines(keepends=True)
-    assert all(line.endswith(b"\n") for line in lines)
-    header = json.loads(lines[0])
-    entries = [json.loads(line) for line in lines[1:]]
-    return Manifest(header, entries, lines[1:], reply)
 
 
 def path_bytes(rel: str) -> bytes:

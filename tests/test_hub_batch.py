@@ -12,8 +12,7 @@ from pathlib import Path
 
 import xxhash
 from aiohttp.test_utils import TestClient, TestServer
-from hub_helpers import http_get, running_hub
-from test_hub_checksums import manifest_files
+from hub_helpers import fetch_manifest, http_get, running_hub
 
 from hubserver import batch
 from hubserver.app import make_app
@@ -35,7 +34,7 @@ def small_tree(root: Path) -> dict[str, bytes]:
 def test_a_batch_answers_the_files_back_to_back_with_their_sums(tmp_path: Path) -> None:
     contents = small_tree(tmp_path)
     with running_hub(tmp_path) as hub:
-        entries = manifest_files(hub.url)
+        entries = fetch_manifest(hub).files()
         order = ["d/f3.bin", "d/f0.bin", "empty.bin", "d/f4.bin"]
         names = ",".join(f"{entries[p]['i']}.{entries[p]['v']}" for p in order)
         reply = http_get(hub, f"/v1/batch?bs={64 * KiB}&f={names}")
@@ -50,7 +49,7 @@ def test_a_batch_answers_the_files_back_to_back_with_their_sums(tmp_path: Path) 
 def test_a_batch_is_refused_whole(tmp_path: Path) -> None:
     small_tree(tmp_path)
     with running_hub(tmp_path) as hub:
-        entries = manifest_files(hub.url)
+        entries = fetch_manifest(hub).files()
 
         def name(path: str) -> str:
             return f"{entries[path]['i']}.{entries[path]['v']}"
@@ -143,7 +142,7 @@ def test_clients_reading_batches_slowly_hold_no_slot(tmp_path: Path) -> None:
     for name, data in contents.items():
         (tmp_path / name).write_bytes(data)
     with running_hub(tmp_path) as hub:
-        entries = manifest_files(hub.url)
+        entries = fetch_manifest(hub).files()
         names = ",".join(f"{entries[name]['i']}.{entries[name]['v']}" for name in contents)
         query = f"/v1/batch?bs={128 * KiB}&f={names}"
         slow = []

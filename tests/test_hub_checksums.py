@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import json
 import socket
 import threading
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import trio
 import xxhash
-from hub_helpers import running_hub, wait_until
+from hub_helpers import fetch_manifest, running_hub, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachefs.cache import BlockKey
@@ -27,14 +26,6 @@ from hubserver.checksums import ChecksumCache, RequestAbandoned, SumsAsked
 from hubserver.manifest import scan
 
 KiB = 1024
-
-
-def manifest_files(url: str) -> dict[str, dict]:
-    import gzip
-
-    with urllib.request.urlopen(url + "/v1/manifest", timeout=10) as response:
-        lines = gzip.decompress(response.read()).splitlines()
-    return {entry["p"]: entry for entry in map(json.loads, lines[1:]) if entry["k"] == "f"}
 
 
 def get(url: str) -> tuple[int, bytes]:
@@ -49,7 +40,7 @@ def test_checksums_match_the_blocks(tmp_path: Path) -> None:
     data = bytes(range(256)) * 1000 + b"tail"  # 256,004 bytes: 3 full 64 KiB blocks and a short one
     (tmp_path / "f.bin").write_bytes(data)
     with running_hub(tmp_path) as hub:
-        entry = manifest_files(hub.url)["f.bin"]
+        entry = fetch_manifest(hub).files()["f.bin"]
         base = f"{hub.url}/v1/files/{entry['i']}/checksums?v={entry['v']}&bs={64 * KiB}"
         status, body = get(base + "&first=1&count=10")
         assert status == 200 and len(body) == 3 * 8  # blocks 1, 2, 3: the answer stops at the end of the file
@@ -82,7 +73,7 @@ def test_data_answers_carry_the_sums_of_the_blocks_they_cover_whole(tmp_path: Pa
     (tmp_path / "f.bin").write_bytes(data)
     (tmp_path / "big.bin").write_bytes(bytes(70 * block))
     with running_hub(tmp_path) as hub:
-        entries = manifest_files(hub.url)
+        entries = fetch_manifest(hub).files()
         entry = entries["f.bin"]
         url = f"{hub.url}/v1/files/{entry['i']}?v={entry['v']}"
         sums = [xxhash.xxh3_64_intdigest(data[b * block : (b + 1) * block]).to_bytes(8, "big").hex() for b in range(4)]
@@ -122,7 +113,7 @@ def test_checksum_requests_never_hold_up_other_requests(tmp_path: Path) -> None:
         f.truncate(24 << 30)  # sparse: hashing holes costs CPU, no disk
     (tmp_path / "small.bin").write_bytes(b"s" * 100)
     with running_hub(tmp_path) as hub:
-        files = manifest_files(hub.url)
+        files = fetch_manifest(hub).files()
         big, small = files["big.bin"], files["small.bin"]
         base = f"{hub.url}/v1/files/{big['i']}/checksums?v={big['v']}&bs={64 << 20}"
         assert get(base + "&first=0&count=5")[0] == 400  # 5 x 64 MiB: more than 256 MiB of hashing
@@ -149,7 +140,7 @@ def test_concurrent_requests_for_the_same_sums_share_one_computation(tmp_path: P
     with open(tmp_path / "big.bin", "wb") as f:
         f.truncate(256 << 20)  # sparse: 64 blocks of 4 MiB
     with running_hub(tmp_path) as hub:
-        big = manifest_files(hub.url)["big.bin"]
+        big = fetch_manifest(hub).files()["big.bin"]
         url = f"{hub.url}/v1/files/{big['i']}/checksums?v={big['v']}&bs={4 << 20}&first=0&count=64"
         answers: list[tuple[int, bytes]] = []
 
@@ -175,7 +166,7 @@ def test_the_hub_stops_hashing_for_a_client_that_went_away(tmp_path: Path) -> No
     with open(tmp_path / "big.bin", "wb") as f:
         f.truncate(256 << 20)  # sparse: 64 blocks of 4 MiB
     with running_hub(tmp_path) as hub:
-        big = manifest_files(hub.url)["big.bin"]
+        big = fetch_manifest(hub).files()["big.bin"]
         url = f"{hub.url}/v1/files/{big['i']}/checksums?v={big['v']}&bs={4 << 20}&first=0&count=64"
         host, port = urllib.parse.urlsplit(hub.url).hostname, urllib.parse.urlsplit(hub.url).port
         with socket.create_connection((host, port), timeout=10) as client:
@@ -257,7 +248,7 @@ def test_the_hashing_one_request_causes_is_bounded(tmp_path: Path) -> None:
     with open(tmp_path / "big.bin", "wb") as f:
         f.truncate(512 << 20)  # sparse: 8 blocks of 64 MiB
     with running_hub(tmp_path) as hub:
-        big = manifest_files(hub.url)["big.bin"]
+        big = fetch_manifest(hub).files()["big.bin"]
         data_url = f"{hub.url}/v1/files/{big['i']}?v={big['v']}"
         sums_url = f"{hub.url}/v1/files/{big['i']}/checksums?v={big['v']}"
         for bs in (64 << 20, 64 * KiB):
@@ -286,7 +277,7 @@ def test_one_client_asking_for_many_sums_leaves_hashing_threads_to_others(tmp_pa
         f.truncate(8 * 64 * block)  # sparse: 8 spans of 64 blocks of 4 MiB
     (tmp_path / "small.bin").write_bytes(b"s" * 100)
     with running_hub(tmp_path) as hub:
-        files = manifest_files(hub.url)
+        files = fetch_manifest(hub).files()
         big, small = files["big.bin"], files["small.bin"]
         host, port = urllib.parse.urlsplit(hub.url).hostname, urllib.parse.urlsplit(hub.url).port
         first_client = []
@@ -319,7 +310,7 @@ def test_a_spoke_with_the_largest_blocks_asks_for_sums_within_the_bound(tmp_path
     with open(tmp_path / "big.bin", "wb") as f:
         f.truncate(5 * block)  # sparse
     with running_hub(tmp_path) as hub:
-        big = manifest_files(hub.url)["big.bin"]
+        big = fetch_manifest(hub).files()["big.bin"]
 
         async def ask() -> list[int]:
             client = HubClient(parse_hub_url(hub.url), max_connections=2, connect_timeout_s=5, read_timeout_s=30)

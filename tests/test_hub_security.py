@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime
 import errno
-import gzip
 import http.client
 import ipaddress
 import json
@@ -35,7 +34,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from hub_helpers import (
     HubProcess,
+    Manifest,
     Reply,
+    fetch_manifest,
     http_get,
     raw_exchange,
     run_hub_cli,
@@ -125,24 +126,9 @@ def auth_hub(dataset: Dataset, token_file: Path) -> Iterator[HubProcess]:
         yield hub
 
 
-@dataclass
-class Manifest:
-    entries: list[dict[str, Any]]
-
-    def file(self, rel: str) -> dict[str, Any]:
-        return next(e for e in self.entries if e["p"] == rel)
-
-
-def fetch_manifest(hub: HubProcess, token: str = ALICE, **kwargs: Any) -> Manifest:
-    reply = http_get(hub, "/v1/manifest", bearer(token), **kwargs)
-    assert reply.status == 200, reply.body[:200]
-    lines = gzip.decompress(reply.body).splitlines()
-    return Manifest([json.loads(line) for line in lines[1:]])
-
-
 @pytest.fixture(scope="module")
 def manifest(auth_hub: HubProcess) -> Manifest:
-    return fetch_manifest(auth_hub)
+    return fetch_manifest(auth_hub, bearer(ALICE))
 
 
 def file_url(entry: dict[str, Any]) -> str:
@@ -587,7 +573,7 @@ def test_tls_serves_clients_that_trust_the_ca(dataset: Dataset, pki: PKI, token_
         assert hub.url.startswith("https://127.0.0.1:")
         context = pki.client_context()
         assert http_get(hub, "/healthz", ssl_context=context).status == 200
-        entry = fetch_manifest(hub, ssl_context=context).file("big.bin")
+        entry = fetch_manifest(hub, bearer(ALICE), ssl_context=context).file("big.bin")
         reply = http_get(hub, file_url(entry), {**bearer(ALICE), "Range": "bytes=10-19"}, ssl_context=context)
         assert (reply.status, reply.body) == (206, dataset.contents["big.bin"][10:20])
         assert http_get(hub, "/v1/manifest", ssl_context=context).status == 401
@@ -880,7 +866,7 @@ def test_client_that_stops_reading_is_cut_at_the_send_timeout(tmp_path: Path) ->
     with open(root / "huge.bin", "wb") as f:
         f.truncate(64 * 1024 * 1024)  # sparse: costs no disk
     with running_hub(root, ["--send-timeout", "1"]) as hub:
-        entry = next(e for e in fetch_manifest_open(hub) if e["k"] == "f")
+        entry = next(e for e in fetch_manifest(hub).entries if e["k"] == "f")
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
             sock.connect((hub.host, hub.port))
@@ -889,12 +875,6 @@ def test_client_that_stops_reading_is_cut_at_the_send_timeout(tmp_path: Path) ->
             cut = lambda: sample(scrape_metrics(hub), "cachefs_hub_requests_total", endpoint="files", status="499") == 1  # noqa: E731
             assert wait_until(cut, 20, interval_s=0.25)
         assert http_get(hub, "/healthz").status == 200
-
-
-def fetch_manifest_open(hub: HubProcess) -> list[dict[str, Any]]:
-    reply = http_get(hub, "/v1/manifest")
-    assert reply.status == 200
-    return [json.loads(line) for line in gzip.decompress(reply.body).splitlines()[1:]]
 
 
 # --------------------------------------------------------------- hostile input
@@ -941,7 +921,7 @@ def test_a_directory_swapped_for_a_symlink_is_never_followed_out_of_the_root(tmp
     writer = subprocess.Popen([sys.executable, "-c", f"open({str(fifo)!r}, 'w')"])
     try:
         with running_hub(root) as hub:
-            entry = next(e for e in fetch_manifest_open(hub) if e["p"] == "sub/data.bin")
+            entry = next(e for e in fetch_manifest(hub).entries if e["p"] == "sub/data.bin")
             os.rename(root / "sub", tmp_path / "sub.moved")
             os.symlink(outside, root / "sub")
             for path in (file_url(entry), file_url(entry) + "&bs=65536"):
@@ -1270,7 +1250,7 @@ def _check_response(request: bytes, data: bytes, dataset: Dataset) -> None:
 
 
 def test_fuzzed_requests_never_leak_crash_or_hang(fuzz_hub: HubProcess, dataset: Dataset) -> None:
-    manifest = fetch_manifest(fuzz_hub)
+    manifest = fetch_manifest(fuzz_hub, bearer(ALICE))
     served_statuses: set[int] = set()
 
     @settings(
@@ -1295,7 +1275,7 @@ def test_fuzzed_requests_never_leak_crash_or_hang(fuzz_hub: HubProcess, dataset:
     assert {200, 206, 400, 401, 404, 416} <= served_statuses, served_statuses
     assert fuzz_hub.proc.poll() is None
     assert http_get(fuzz_hub, "/healthz").status == 200
-    assert fetch_manifest(fuzz_hub).entries == manifest.entries
+    assert fetch_manifest(fuzz_hub, bearer(ALICE)).entries == manifest.entries
     log = fuzz_hub.stderr_text()
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
     assert SECRET_MARKER.decode() not in log

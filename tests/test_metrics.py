@@ -5,38 +5,11 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 from conftest import SPOKE_ARGS
-from hub_helpers import hub_env
-from mount_helpers import mounted_spoke, wait_for_stats
-from test_mount import read_uncached
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def scrape_text(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as answer:
-        return answer.read().decode()
-
-
-def parse(text: str) -> dict[str, float]:
-    """`name{labels}` as written -> value."""
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
-    return samples
-
-
-def scrape(port: int) -> dict[str, float]:
-    return parse(scrape_text(f"http://127.0.0.1:{port}/metrics"))
+from hub_helpers import free_port, hub_env
+from mount_helpers import metrics_text, mounted_spoke, parse_metrics, read_uncached, spoke_metrics, wait_for_stats
 
 
 def test_metrics_match_what_was_read(hub, dataset: Path, tmp_path: Path) -> None:
@@ -48,7 +21,7 @@ def test_metrics_match_what_was_read(hub, dataset: Path, tmp_path: Path) -> None
         assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
         # Read-ahead may also have asked for the head of the next shard: all of it written.
         stats = wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == stats["fetched_bytes"] >= size)
-        metrics = scrape(port)
+        metrics = spoke_metrics(port)
     assert metrics["cachefs_read_bytes_total"] == 2 * size == stats["read_bytes"]
     assert metrics["cachefs_fetched_bytes_total"] == stats["fetched_bytes"]
     assert metrics["cachefs_block_hits_total"] == stats["block_hits"] > 0
@@ -68,13 +41,13 @@ def test_failures_are_counted_by_kind_and_operation(dataset: Path, tmp_path: Pat
     with running_hub(dataset) as hub:
         args = (*SPOKE_ARGS, "--fetch-timeout", "1", "--metrics-listen", f"127.0.0.1:{port}")
         with mounted_spoke(hub.url, tmp_path, args) as spoke:
-            before = scrape(port)
+            before = spoke_metrics(port)
             hub.stop()
             try:
                 read_uncached(spoke.mountpoint / "shards/shard-001.bin", 0, 10)
             except OSError:
                 pass
-            metrics = scrape(port)
+            metrics = spoke_metrics(port)
     # Exported at zero before the first failure, so that increase() over a
     # window sees that failure (the failed-read alerts rely on it).
     assert before['cachefs_fuse_errors_total{operation="read"}'] == 0
@@ -98,20 +71,20 @@ def test_hub_and_spoke_export_process_metrics_and_no_created_series(hub, dataset
     with mounted_spoke(hub.url, tmp_path, (*SPOKE_ARGS, "--metrics-listen", f"127.0.0.1:{port}")) as spoke:
         relative = "shards/shard-000.bin"
         assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()  # samples in every histogram
-        spoke_text = scrape_text(f"http://127.0.0.1:{port}/metrics")
+        spoke_text = metrics_text(f"http://127.0.0.1:{port}/metrics")
         assert spoke.pid is not None
         daemon_rss = resident_bytes(spoke.pid)
-    hub_text = scrape_text(hub.url + "/metrics")
+    hub_text = metrics_text(hub.url + "/metrics")
     hub_rss = resident_bytes(hub.proc.pid)
     for text, rss in [(spoke_text, daemon_rss), (hub_text, hub_rss)]:
-        samples = parse(text)
+        samples = parse_metrics(text)
         # The daemon's own process (not the CLI that mounted it), under the standard names.
         assert rss / 2 < samples["process_resident_memory_bytes"] < rss * 2
         assert samples["process_cpu_seconds_total"] > 0
         assert 0 < samples["process_open_fds"] < samples["process_max_fds"]
         assert "_created" not in text
         assert not [name for name in samples if name.startswith("cachefs_hub_process_")]
-    assert parse(spoke_text)["cachefs_read_duration_seconds_count"] > 0
+    assert parse_metrics(spoke_text)["cachefs_read_duration_seconds_count"] > 0
 
 
 def test_readiness_is_reported_to_systemd(hub, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import pytest
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE, source_files
 from fault_proxy import running_fault_proxy
-from hub_helpers import running_hub, sample, scrape_metrics
+from hub_helpers import fetch_manifest, running_hub, sample, scrape_metrics
 from mount_helpers import (
     SpokeMount,
     cache_data_files,
@@ -27,41 +27,16 @@ from mount_helpers import (
     is_mounted,
     mount_spoke,
     mounted_spoke,
+    read_uncached,
     resident_pages,
     run_cachefs,
     wait_for_stats,
     wait_until_gone,
 )
-from test_hub_checksums import manifest_files
 
 from cachefs.cache.block_cache import CHUNK_BYTES
 from cachefs.config import READAHEAD_RUNS_IN_FLIGHT, MountConfig, parse_hub_url
 from cachefs.daemon import FUSECTL_DIR
-
-
-def read_uncached(path: Path, offset: int = 0, length: int | None = None, timings: list[float] | None = None) -> bytes:
-    """pread through the mount after dropping the kernel's page cache for the file,
-    so the bytes come from the daemon, not from an earlier read. `timings` gets
-    the duration of each pread (each one is a bounded FUSE request)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        if length is None:
-            length = os.fstat(fd).st_size - offset
-        chunks = []
-        while length > 0:
-            started = time.monotonic()
-            chunk = os.pread(fd, length, offset)
-            if timings is not None:
-                timings.append(time.monotonic() - started)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            offset += len(chunk)
-            length -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 def test_every_file_reads_back_identical(spoke: SpokeMount, dataset: Path) -> None:
@@ -662,7 +637,7 @@ def test_read_ahead_follows_a_reader_that_takes_every_other_file(tmp_path: Path)
     that of file 6 near the end of file 4, not file 5."""
     root, sources = _write_shards(tmp_path / "data", 8, 8)
     with running_hub(root) as hub:
-        ids = {entry["p"]: entry["i"] for entry in manifest_files(hub.url).values()}
+        ids = {entry["p"]: entry["i"] for entry in fetch_manifest(hub).files().values()}
         with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS) as spoke:
             for index in (0, 2, 4):
                 fd = os.open(spoke.mountpoint / "shards" / f"part-{index}.bin", os.O_RDONLY | os.O_DIRECT)

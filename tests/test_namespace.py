@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import sys
 import tracemalloc
@@ -12,14 +10,12 @@ from pathlib import Path
 
 import pytest
 import trio
-import xxhash
+from manifest_helpers import dir_entry, file_entry, write_manifest
 
 from cachefs.db import NamespaceDb, open_namespace_db
 from cachefs.errors import CachefsError, HubProtocolError
 from cachefs.namespace.loader import ChildFailed, load_in_child
 from cachefs.namespace.tree import ROOT_INODE, ManifestSummary, Namespace, NamespaceChanges, inode_number, load_manifest
-
-HEADER = {"format": "cachefs-manifest", "format_version": 1}
 
 
 @pytest.fixture
@@ -29,23 +25,6 @@ def db(tmp_path: Path) -> Iterator[NamespaceDb]:
         yield opened
     finally:
         opened.close()
-
-
-def file_entry(path: str, size: int, version: int = 1) -> dict[str, object]:
-    file_id = xxhash.xxh3_64_intdigest(os.fsencode(path)).to_bytes(8, "big")
-    return {"p": path, "k": "f", "m": 0o644, "t": 0, "s": size, "i": file_id.hex(), "v": version.to_bytes(8, "big").hex()}
-
-
-def dir_entry(path: str) -> dict[str, object]:
-    return {"p": path, "k": "d", "m": 0o755, "t": 0}
-
-
-def write_manifest(path: Path, generation: str, entries: Iterator[dict[str, object]] | list[dict[str, object]]) -> Path:
-    with gzip.open(path, "wt", compresslevel=1) as stream:
-        stream.write(json.dumps({**HEADER, "generation": generation}) + "\n")
-        for entry in entries:
-            stream.write(json.dumps(entry) + "\n")
-    return path
 
 
 def tree(directories: int, files_per_directory: int, version: int = 1) -> Iterator[dict[str, object]]:

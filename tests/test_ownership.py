@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import SPOKE_ARGS
 from hub_helpers import HubProcess, running_hub
-from mount_helpers import SpokeMount, mounted_spoke, run_cachefs
-from test_cli_errors import assert_clean_failure
+from mount_helpers import SpokeMount, assert_clean_failure, mounted_spoke, run_cachefs
 
 # A group the reader is in and root's files are not: a number needs no entry in /etc/group.
 READERS_GID = 4242

@@ -14,10 +14,16 @@ import pytest
 from cache_helpers import block_cache
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE
-from hub_helpers import HubProcess, running_hub
-from mount_helpers import SpokeMount, cache_data_files, evict_from_page_cache, mounted_spoke, run_cachefs, wait_for_stats
-from test_consistency import health, wait_for_generation_change
-from test_mount import read_uncached
+from hub_helpers import HubProcess, hub_health, running_hub, wait_for_generation_change
+from mount_helpers import (
+    SpokeMount,
+    cache_data_files,
+    evict_from_page_cache,
+    mounted_spoke,
+    read_uncached,
+    run_cachefs,
+    wait_for_stats,
+)
 
 from cachefs.cache import BlockCache, BlockKey
 from cachefs.cache import block_cache as block_cache_module
@@ -141,10 +147,10 @@ def test_a_file_changed_by_a_refresh_while_open_directly_waits_for_its_old_opens
         try:
             assert spoke.stats()["passthrough_opens"] == 1
             new_bytes = os.urandom(len(old_bytes) - 1000)
-            generation = health(hub.url)["generation"]
+            generation = hub_health(hub)["generation"]
             changed.write_bytes(new_bytes)
             hub.proc.send_signal(signal.SIGUSR1)
-            wait_for_generation_change(hub.url, generation)
+            wait_for_generation_change(hub, generation)
             assert run_cachefs("refresh", spoke.mountpoint).returncode == 0
             with pytest.raises(OSError) as failure:
                 os.open(mounted, os.O_RDONLY)

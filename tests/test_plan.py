@@ -16,9 +16,8 @@ from typing import Any
 import pytest
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE
-from mount_helpers import SpokeMount, mounted_spoke, run_cachefs, wait_for_stats
-from test_metrics import free_port, scrape
-from test_mount import read_uncached
+from hub_helpers import free_port
+from mount_helpers import SpokeMount, mounted_spoke, read_uncached, run_cachefs, spoke_metrics, wait_for_stats
 
 from bench.plan_bench import belady_hits
 from cachefs import plan as cachefs_plan
@@ -215,7 +214,7 @@ def test_stats_and_metrics_show_epochs_stalls_and_time_to_warm(hub, dataset: Pat
             with cachefs_plan.submit(in_mount(spoke, reads), epoch=epoch):
                 read_through(spoke, dataset, reads)
         stats = spoke.stats()
-        metrics = scrape(port)
+        metrics = spoke_metrics(port)
         first, second = stats["training"]["epochs"]
         assert first["fetched_bytes"] > 0 and second["fetched_bytes"] == 0
         assert second["hit_ratio"] == 1.0 and second["stall_seconds"] == 0

@@ -10,15 +10,12 @@ go untested.
 
 from __future__ import annotations
 
-import gzip
 import http.client
-import json
 import math
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -32,7 +29,7 @@ from pathlib import Path
 
 import pytest
 from dataset import source_files
-from hub_helpers import HubProcess, running_hub, scrape_metrics
+from hub_helpers import HubProcess, fetch_manifest, free_port, running_hub, scrape_metrics
 from mount_helpers import is_mounted, mounted_spoke, run_cachefs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -52,12 +49,6 @@ def find_nginx() -> str:
     if found is None:
         pytest.fail("nginx is not installed: `make test` installs it (Makefile APT_PACKAGES), or apt-get install nginx")
     return found
-
-
-def free_loopback_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def substitute_once(text: str, old: str, new: str) -> str:
@@ -121,7 +112,7 @@ def running_nginx(hub: HubProcess, prefix: Path) -> Iterator[RegionalCache]:
     process group killed if need be) on leaving the block."""
     nginx = find_nginx()
     prefix.mkdir(parents=True, exist_ok=True)
-    port = free_loopback_port()
+    port = free_port()
     conf = render_config(hub, prefix, port)
     base = [nginx, "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log")]
     check = subprocess.run([*base, "-t"], capture_output=True, text=True, timeout=30, check=False)
@@ -173,17 +164,6 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(STOP_TIMEOUT_S)
 
 
-def fetch_manifest(url: str, authorization: str | None = None) -> tuple[dict[str, str], list[dict[str, object]]]:
-    """(response headers, entries) of GET /v1/manifest."""
-    request = urllib.request.Request(url + "/v1/manifest")
-    if authorization:
-        request.add_header("Authorization", authorization)
-    with urllib.request.urlopen(request, timeout=30) as answer:
-        headers = dict(answer.headers.items())
-        lines = gzip.decompress(answer.read()).splitlines()
-    return headers, [json.loads(line) for line in lines[1:]]
-
-
 def http_get(url: str) -> tuple[int, dict[str, str], bytes]:
     with urllib.request.urlopen(url, timeout=30) as answer:
         return answer.status, dict(answer.headers.items()), answer.read()
@@ -230,9 +210,9 @@ def test_each_block_crosses_the_wan_once_for_two_spokes(dataset: Path, tmp_path:
     shards = [f for f in files if f.parts[0] == "shards"]
     others = [f for f in files if f.parts[0] != "shards"]
     with running_hub(dataset) as hub, running_nginx(hub, tmp_path / "nginx") as cache:
-        headers, entries = fetch_manifest(cache.url)
-        assert "X-Cache-Status" not in headers  # the manifest location has no cache
-        records = {str(e["p"]): e for e in entries if e["k"] == "f"}
+        manifest = fetch_manifest(cache.url)
+        assert "x-cache-status" not in manifest.reply.headers  # the manifest location has no cache
+        records = manifest.files()
         assert sorted(records) == sorted(map(str, files))
 
         # Two spokes with different block sizes: the slices make their
@@ -276,7 +256,7 @@ def test_each_block_crosses_the_wan_once_for_two_spokes(dataset: Path, tmp_path:
         assert answers[1][1]["X-Cache-Status"] == "HIT"
         assert answers[0][2] == answers[1][2] and len(answers[0][2]) == 8 * math.ceil(int(shard["s"]) / SLICE_BYTES)
         # The manifest is never cached: this one reaches the hub too.
-        fetch_manifest(cache.url, authorization="Bearer other-spoke")
+        fetch_manifest(cache.url, {"Authorization": "Bearer other-spoke"})
 
     # The hub and nginx are stopped now: their logs are complete.
     hub_log, nginx_log = hub.stderr_text(), cache.access_log()
@@ -342,8 +322,7 @@ def test_tokens_pass_through_and_cached_blocks_are_shared(dataset: Path, tmp_pat
     ):
         assert http_status(cache.url + "/v1/manifest")[0] == 401
         assert http_status(cache.url + "/v1/manifest", bad)[0] == 401
-        _headers, entries = fetch_manifest(cache.url, good)
-        records = {str(e["p"]): e for e in entries if e["k"] == "f"}
+        records = fetch_manifest(cache.url, {"Authorization": good}).files()
         shard_url, other_url = (
             f"{cache.url}/v1/files/{records[name]['i']}?v={records[name]['v']}"
             for name in ("shards/shard-000.bin", "shards/shard-001.bin")

@@ -25,6 +25,7 @@ from cryptography.x509.oid import NameOID
 from hub_helpers import hub_env, running_hub
 from mount_helpers import (
     SpokeMount,
+    assert_clean_failure,
     cache_data_files,
     cachefs_command,
     daemon_pid,
@@ -33,7 +34,6 @@ from mount_helpers import (
     run_cachefs,
     wait_for_stats,
 )
-from test_cli_errors import assert_clean_failure
 
 TOKEN = "s3cret-token-for-tests-0123456789"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import trio
 from cache_helpers import block_cache
-from test_namespace import dir_entry, file_entry, write_manifest
+from manifest_helpers import dir_entry, file_entry, write_manifest
 
 from cachefs.cache import BlockCache, BlockKey
 from cachefs.config import MountConfig, parse_hub_url

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gzip
-import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import trio
 from fakes import FakeHub, file_id_of
+from manifest_helpers import dir_entry, file_entry, write_manifest
 
 from cachefs.cache import BlockCache, BlockKey
 from cachefs.config import MemoryBudget, MountConfig, memory_budget, parse_hub_url
@@ -30,7 +29,7 @@ from cachefs.training.planner import Planner
 
 KiB = 1024
 BLOCK = 64 * KiB
-VERSION = (1).to_bytes(8, "big")
+VERSION = (1).to_bytes(8, "big")  # of every file (manifest_helpers.file_entry's default)
 
 
 def budget_of(block_size: int = BLOCK, **shares: object) -> MemoryBudget:
@@ -42,7 +41,7 @@ def budget_of(block_size: int = BLOCK, **shares: object) -> MemoryBudget:
 
 def manifest_entries(files: dict[str, bytes]) -> Iterator[dict[str, object]]:
     """The hub's manifest entries of `files` (path -> bytes), directories before their contents."""
-    yield {"p": "", "k": "d", "m": 0o755, "t": 0}
+    yield dir_entry("")
     directories: set[str] = set()
     for path in sorted(files):
         parts = path.split("/")
@@ -50,19 +49,14 @@ def manifest_entries(files: dict[str, bytes]) -> Iterator[dict[str, object]]:
             directory = "/".join(parts[:depth])
             if directory not in directories:
                 directories.add(directory)
-                yield {"p": directory, "k": "d", "m": 0o755, "t": 0}
-        yield {"p": path, "k": "f", "m": 0o644, "t": 0, "s": len(files[path]), "i": file_id_of(path).hex(),
-               "v": VERSION.hex()}
+                yield dir_entry(directory)
+        yield file_entry(path, len(files[path]))
 
 
 @contextlib.contextmanager
 def loaded_namespace(directory: Path, files: dict[str, bytes]) -> Iterator[Namespace]:
     """A namespace of `files` in LMDB, loaded from a manifest as the spoke loads the hub's."""
-    manifest = directory / "manifest.ndjson.gz"
-    with gzip.open(manifest, "wt") as stream:
-        stream.write(json.dumps({"format": "cachefs-manifest", "format_version": 1, "generation": "g1"}) + "\n")
-        for entry in manifest_entries(files):
-            stream.write(json.dumps(entry) + "\n")
+    manifest = write_manifest(directory / "manifest.ndjson.gz", "g1", manifest_entries(files))
     db = open_namespace_db(directory / "namespace.lmdb")
     try:
         load_manifest(db, manifest)
