@@ -133,6 +133,8 @@ class Planner:
         self._plans_dir = cache_dir / PLANS_DIR
         shutil.rmtree(self._plans_dir, ignore_errors=True)  # left over by a crash
         self._plans = active.plans  # this adds and ends them; ActivePlans answers the cache
+        # Ended plans whose prefetched blocks are still held (being written): their fate still counts.
+        self._ended: list[Plan] = []
         self._next_id = 1
         self.training = TrainingStats(stats)
         capacity_blocks = max(1, cache.capacity_bytes // block_size)
@@ -266,6 +268,11 @@ class Planner:
                 self.lookahead_blocks = max(MIN_LOOKAHEAD_BLOCKS, min(self.max_lookahead_blocks, math.ceil(wanted)))
             for plan in self._plans.values():
                 self._sync_counters(plan)
+        for plan in list(self._ended):
+            self._sync_counters(plan)
+            if not any(isinstance(held.note, PlanHold) and held.note.plan is plan
+                       for _key, held in self._held.keys_of(Owner.PLAN)):
+                self._ended.remove(plan)
         self.training.tick()
 
     def _issue(self, plan: Plan) -> None:
@@ -402,6 +409,7 @@ class Planner:
         plan.end()
         self._drop_passed()
         self._sync_counters(plan)
+        self._ended.append(plan)
         log.info("plan %d ended: %d blocks prefetched, %d used, %d wasted",
                  plan.id, plan.prefetched_blocks, plan.used_blocks, plan.wasted_blocks)
 

@@ -90,6 +90,7 @@ class Spoke:
     reader: Reader
     planner: Planner | None
     block_size: int
+    nursery: trio.Nursery
 
     def inode(self, path: str) -> Inode:
         inode = self.namespace.resolve(path)
@@ -137,6 +138,7 @@ async def running_spoke(
     sibling_prefetch_files: int = 0,
     planner: bool = False,
     coverage: NoPlans | None = None,
+    writer: bool = True,
 ) -> AsyncIterator[Spoke]:
     """The read path over a fake hub serving `files` (path -> bytes), its background tasks
     running until the block ends; with `planner`, a Planner follows loaders' plans (else
@@ -155,7 +157,8 @@ async def running_spoke(
             fetcher = Fetcher(hub, cache, held, claims, stats, budget=budget, fetch_timeout_s=fetch_timeout_s,
                               prefetch_connections=prefetch_connections)
             async with trio.open_nursery() as nursery:
-                await nursery.start(fetcher.run_writer)
+                if writer:  # else the test starts it (fetched blocks stay on their way to the cache until then)
+                    await nursery.start(fetcher.run_writer)
                 follower = None
                 if planner:
                     follower = Planner(namespace, cache, fetcher, held, plans, stats, budget=budget,
@@ -168,7 +171,7 @@ async def running_spoke(
                 reader = Reader(source, cache.sketch, claims, follower or NoPlans(), readahead, stats,
                                 block_size=block_size)
                 yield Spoke(hub, files, namespace, cache, held, stats, fetcher, source, reader, follower,
-                            block_size)
+                            block_size, nursery)
                 nursery.cancel_scope.cancel()
         finally:
             index_db.close()

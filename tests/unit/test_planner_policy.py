@@ -109,3 +109,19 @@ async def test_a_plan_read_to_its_end_finishes_by_itself(tmp_path: Path, autojum
             assert result["state"] == "finished"
         assert sorted(spoke.blocks_asked(PATH)) == list(range(30))  # each block asked once
         assert result["prefetch_used_blocks"] == 30 - spoke.stats.block_misses
+
+
+@pytest.mark.trio
+async def test_blocks_written_after_their_plan_ended_are_counted_wasted(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    order = shuffled_blocks(100)
+    budget = budget_of(plan_bytes=PLAN_BLOCKS * BLOCK)
+    async with running_spoke(tmp_path, {PATH: os.urandom(100 * BLOCK)}, planner=True, budget=budget,
+                             readahead_blocks=0, writer=False) as spoke:
+        async with following_plan(spoke, order, {}):
+            await trio.sleep(10)  # prefetched, on their way to the cache
+        await spoke.nursery.start(spoke.fetcher.run_writer)
+        await spoke.written()
+        await trio.sleep(1)
+        assert spoke.stats.plan_prefetch_wasted_blocks == PLAN_BLOCKS
