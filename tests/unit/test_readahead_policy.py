@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from fakes import FakeHub
 from spoke_parts import BLOCK, KiB, NoPlans, Spoke, running_spoke
 
 from cachefs.config import COALESCE_BLOCKS
@@ -64,6 +65,7 @@ async def test_a_sequential_reader_gets_every_block_from_read_ahead_asked_once(
         assert got == data
         asked = spoke.blocks_asked("a.bin")
         assert sorted(asked) == list(range(51))  # each block once: no reader fetched one read ahead
+        assert spoke.hub.bytes_sent == len(data)
         # Only the stream's first two reads (before it was one) missed; read-ahead served the rest.
         assert spoke.stats.block_misses == 4 and spoke.stats.readahead_used == len(asked) - 4
 
@@ -120,3 +122,24 @@ class CoversEverything(NoPlans):
 async def test_read_ahead_stays_off_a_file_a_plan_covers(tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
     async with running_spoke(tmp_path, {"a.bin": os.urandom(40 * BLOCK)}, coverage=CoversEverything()) as spoke:
         assert await read_blocks(spoke, spoke.open("a.bin"), list(range(10))) == [0] * 10
+
+
+@pytest.mark.trio
+async def test_a_hub_without_batches_gets_the_small_files_one_by_one_within_the_prefetch_slots(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    files = {f"images/{index:03d}.jpg": os.urandom(3 * KiB + index) for index in range(20)}
+    hub = FakeHub()
+    hub.batches = False
+    hub.delay_s = 1.0
+    async with running_spoke(tmp_path, files, hub=hub, sibling_prefetch_files=8, prefetch_connections=2) as spoke:
+        started = trio.current_time()
+        assert await spoke.read(spoke.open("images/000.jpg"), 0, 64 * KiB) == files["images/000.jpg"]
+        await trio.sleep(10)
+        siblings = [request for request in hub.ranges() if request.file_ids[0] != spoke.key("images/000.jpg", 0).file_id.hex()]
+        assert sorted(request.file_ids[0] for request in siblings) == sorted(
+            spoke.key(f"images/{index:03d}.jpg", 0).file_id.hex() for index in range(1, 9))
+        # Two at a time (the prefetch slots), one answer's delay apart, after the batch was refused.
+        waves = sorted({request.at_s - started for request in siblings})
+        assert waves == [0.0, 1.0, 2.0, 3.0] and all(
+            sum(request.at_s - started == wave for request in siblings) == 2 for wave in waves)
