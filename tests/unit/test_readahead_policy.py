@@ -71,7 +71,9 @@ async def test_a_sequential_reader_gets_every_block_from_read_ahead_asked_once(
 
 
 @pytest.mark.trio
-async def test_random_reads_start_no_read_ahead(tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
+async def test_random_reads_of_a_file_larger_than_the_free_cache_start_no_read_ahead(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
     async with running_spoke(tmp_path, {"a.bin": os.urandom(100 * BLOCK)}, cache_bytes=8 * BLOCK) as spoke:
         blocks = [37, 5, 80, 81, 12, 60, 61, 62, 3, 90]  # some adjacent pairs and a triple among them
         handle = spoke.open("a.bin")
@@ -143,3 +145,21 @@ async def test_a_hub_without_batches_gets_the_small_files_one_by_one_within_the_
         waves = sorted({request.at_s - started for request in siblings})
         assert waves == [0.0, 1.0, 2.0, 3.0] and all(
             sum(request.at_s - started == wave for request in siblings) == 2 for wave in waves)
+
+
+@pytest.mark.trio
+async def test_a_file_read_at_random_is_filled_whole_when_it_fits_the_free_cache(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    async with running_spoke(tmp_path, {"a.bin": os.urandom(40 * BLOCK)}) as spoke:
+        handle = spoke.open("a.bin")
+        for blockno in (31, 7, 22, 15, 3):
+            await spoke.read(handle, blockno * BLOCK + 100, 4 * KiB)
+        await trio.sleep(10)
+        await spoke.written()
+        assert sorted(set(spoke.blocks_asked("a.bin"))) == list(range(40))
+        before = len(spoke.hub.requests)
+        for blockno in (9, 38, 0, 27):
+            assert await spoke.read(handle, blockno * BLOCK + 100, 4 * KiB) == spoke.files["a.bin"][
+                blockno * BLOCK + 100 : blockno * BLOCK + 100 + 4 * KiB]
+        assert len(spoke.hub.requests) == before
