@@ -42,6 +42,7 @@ from .readahead import ReadAhead
 from .reader import Reader
 from .sd_notify import sd_notify
 from .snapshots import Snapshots
+from .tier_client import TierClient
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,22 @@ def run_daemon(config: MountConfig, notify: Notify) -> int:
     return 0
 
 
+def _hub_client(config: MountConfig, stats: Stats) -> HubClient:
+    """The hub, or with --tier the region's nodes in front of it."""
+    options: dict[str, Any] = dict(
+        max_connections=config.max_connections,
+        connect_timeout_s=config.connect_timeout_s,
+        read_timeout_s=config.read_timeout_s,
+        token=config.token,
+        ssl_context=_ssl_context(config),
+    )
+    if not config.tier_urls:
+        return HubClient(config.hub_url, **options)
+    log.info("file data through the regional tier (%s), each slice of %d bytes from the node that owns it",
+             ", ".join(map(str, config.tier_urls)), config.tier_slice_bytes)
+    return TierClient(config.hub_url, config.tier_urls, slice_bytes=config.tier_slice_bytes, stats=stats, **options)
+
+
 def _open_databases(config: MountConfig) -> tuple[NamespaceDb, IndexDb]:
     try:
         return open_cache_databases(config.cache_dir)
@@ -137,14 +154,7 @@ def _check_block_size(db: IndexDb, config: MountConfig) -> None:
 
 async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: IndexDb, notify: Notify) -> None:
     stats = Stats()
-    client = HubClient(
-        config.hub_url,
-        max_connections=config.max_connections,
-        connect_timeout_s=config.connect_timeout_s,
-        read_timeout_s=config.read_timeout_s,
-        token=config.token,
-        ssl_context=_ssl_context(config),
-    )
+    client = _hub_client(config, stats)
     namespace = Namespace(namespace_db)
     snapshots = Snapshots(config, client, namespace_db, namespace)
     behind = await snapshots.load_at_mount()
