@@ -214,3 +214,18 @@ def test_both_commands_tell_their_version(module: str, name: str) -> None:
                             env=hub_env(), check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"{name} {cachefs.__version__}\n"
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--tier", "http://tier-0:8470", "--tier", "http://tier-0:8470"], "--tier http://tier-0:8470 is given twice"),
+        (["--tier", "http://hub:8470"], "is the hub itself"),
+        (["--tier", "ftp://tier-0"], "expected http"),
+        (["--tier", "http://tier-0:8470", "--tier-slice", "1000K"], "invalid --tier-slice"),
+    ],
+)
+def test_bad_tier_options(tmp_path: Path, args: list[str], fragment: str) -> None:
+    (tmp_path / "mnt").mkdir()
+    result = run_cachefs("mount", "http://hub:8470", tmp_path / "mnt", "--cache-dir", tmp_path / "c", *args)
+    assert_clean_failure(result, fragment)

@@ -401,6 +401,16 @@ def test_mount_helper_translates_fstab_options(tmp_path: Path) -> None:
     assert not (tmp_path / "mnt").exists()
 
 
+def test_mount_helper_passes_every_tier_node_in_order(tmp_path: Path) -> None:
+    """tier=URL names one node each time: all of them are passed on, in their order."""
+    options = "cache_dir=/c,tier=http://tier-1:8470,tier_slice=256K,tier=http://tier-0:8470,tier=http://tier-2:8470"
+    result = run_helper("-f", "-v", "http://hub:8470", tmp_path / "mnt", "-o", options)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith(
+        "--cache-dir /c --tier http://tier-1:8470 --tier http://tier-0:8470 --tier http://tier-2:8470 --tier-slice 256K"
+    )
+
+
 def test_mount_helper_knows_every_cachefs_mount_option() -> None:
     """Each `cachefs mount` option has its fstab form (but the ones that make
     no sense for mount(8): --foreground, the mountpoint, the hub)."""
