@@ -17,6 +17,7 @@ import math
 import os
 import random
 import signal
+import subprocess
 import threading
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -24,11 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
+import yaml
 from dataset import source_files
 from hub_helpers import HubProcess, running_hub, scrape_metrics, wait_until
 from mount_helpers import SpokeMount, mount_spoke
-from nginx_helpers import RegionalCache, running_nginx
+from nginx_helpers import SHIPPED_CONFIG, RegionalCache, running_nginx
 
 from cachefs.tier_client import slice_owners
 
@@ -269,3 +272,40 @@ def test_a_node_killed_in_the_middle_of_a_read_costs_no_failed_read(tier_dataset
             assert failovers["1"] >= 1 and failovers["0"] == failovers["2"] == 0, failovers
             assert requests["0"] > 0 and requests["2"] > 0, requests  # the live nodes took over, from the hub
             assert f"tier node http://127.0.0.1:{victim.port} failed" in second.log_text()
+
+
+def test_the_kubernetes_tier_runs_the_shipped_config_with_its_three_values(tmp_path: Path) -> None:
+    """deploy/kubernetes/regional-tier: valid objects, and the container's command, run
+    here, turns the shipped nginx config into one with the hub, size and log it sets."""
+    manifest = SHIPPED_CONFIG.parent.parent / "kubernetes" / "regional-tier" / "regional-tier.yaml"
+    objects = [doc for doc in yaml.safe_load_all(manifest.read_text()) if doc]
+    version = kubernetes_validate.utils.latest_version()
+    for obj in objects:
+        kubernetes_validate.validate(obj, version, strict=True)
+    service, statefulset = objects
+    assert statefulset["spec"]["serviceName"] == service["metadata"]["name"] and service["spec"]["clusterIP"] == "None"
+    pod = statefulset["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    (container,) = pod["spec"]["containers"]
+    mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
+    assert f"proxy_cache_path {mounts['cache']} " in SHIPPED_CONFIG.read_text()
+    assert {claim["metadata"]["name"] for claim in statefulset["spec"]["volumeClaimTemplates"]} == {"cache"}
+
+    env = {variable["name"]: variable["value"] for variable in container["env"]}
+    script = container["args"][0]
+    for name, value in env.items():
+        script = script.replace(f"$({name})", value)
+    script = script.replace(f"{mounts['nginx-config']}/regional-cache.conf", str(SHIPPED_CONFIG))
+    script = script.replace(f"{mounts['conf-d']}/", f"{tmp_path}/").replace("exec nginx -g 'daemon off;'", "true")
+    subprocess.run(["/bin/sh", "-c", script], check=True, timeout=30)
+    rendered = (tmp_path / "cachefs-regional.conf").read_text()
+    expected = SHIPPED_CONFIG.read_text()
+    for old, new in [
+        ("server hub.example.internal:8470;", f"server {env['CACHEFS_HUB_ADDRESS']};"),
+        ("max_size=2000g ", f"max_size={env['CACHEFS_TIER_MAX_SIZE']} "),
+        ("access_log /var/log/nginx/cachefs-regional.access.log ", "access_log /dev/stdout "),
+    ]:
+        assert expected.count(old) == 1, old
+        expected = expected.replace(old, new)
+    assert rendered == expected
+    assert "listen 8470;" in rendered and any(port["containerPort"] == 8470 for port in container["ports"])
