@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import threading
@@ -30,7 +31,7 @@ import pytest
 import yaml
 from dataset import source_files
 from hub_helpers import HubProcess, running_hub, scrape_metrics, wait_until
-from mount_helpers import SpokeMount, mount_spoke
+from mount_helpers import SpokeMount, mount_spoke, run_cachefs
 from nginx_helpers import SHIPPED_CONFIG, RegionalCache, running_nginx
 
 from cachefs.tier_client import slice_owners
@@ -272,6 +273,8 @@ def test_a_node_killed_in_the_middle_of_a_read_costs_no_failed_read(tier_dataset
             assert failovers["1"] >= 1 and failovers["0"] == failovers["2"] == 0, failovers
             assert requests["0"] > 0 and requests["2"] > 0, requests  # the live nodes took over, from the hub
             assert f"tier node http://127.0.0.1:{victim.port} failed" in second.log_text()
+            shown = run_cachefs("stats", second.mountpoint).stdout
+            assert re.search(rf"^tier failovers +0 0, 1 {failovers['1']}, 2 0$", shown, re.MULTILINE), shown
 
 
 def test_the_kubernetes_tier_runs_the_shipped_config_with_its_three_values(tmp_path: Path) -> None:
