@@ -6,7 +6,7 @@ file id and slice number over the nodes' positions in the `--tier` list. So
 every spoke of a region asks the same node for the same slice, each node
 caches only its share, and the region's tier holds the dataset once, even
 when it is larger than one node's disk. A node that fails (refused, reset,
-timed out, 502/504) is skipped for a while and its slices are asked of the
+timed out, its certificate refused, 502/504) is skipped for a while and its slices are asked of the
 next node in their own order; when no node answers, of the hub itself.
 """
 
@@ -22,7 +22,7 @@ import trio
 import xxhash
 
 from .config import HubURL
-from .errors import BatchUnsupported, HubError, HubProtocolError, HubStatusError, HubUnavailable
+from .errors import BatchUnsupported, HubError, HubProtocolError, HubStatusError, HubTLSError, HubUnavailable
 from .hub_client import HubClient
 from .metrics import Stats
 
@@ -207,7 +207,7 @@ class TierClient(HubClient):
                 continue
             try:
                 answer = await from_node(self._nodes[node])
-            except (HubUnavailable, HubProtocolError) as exc:
+            except (HubUnavailable, HubProtocolError, HubTLSError) as exc:  # a node down, or not to be trusted
                 self._node_failed(node, exc, file_id, offset, skip=True)
                 continue
             except HubStatusError as exc:
