@@ -128,6 +128,15 @@ class TierClient(HubClient):
             stats.tier_failovers[str(node)] += 0
         stats.tier_requests[HUB] += 0
 
+    @property  # type: ignore[override]
+    def answers(self) -> int:
+        """Responses from the hub and from every node: unchanged, nothing upstream answered (hub_silence.py)."""
+        return self._hub_answers + sum(node.answers for node in self._nodes)
+
+    @answers.setter
+    def answers(self, count: int) -> None:
+        self._hub_answers = count  # HubClient counts the hub's own answers here
+
     async def aclose(self) -> None:
         for node in self._nodes:
             await node.aclose()

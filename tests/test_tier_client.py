@@ -117,6 +117,7 @@ async def test_a_dead_node_is_skipped_and_its_slices_come_from_the_next(hub: Hub
         assert bytes(pieces[0]) == source[MiB : 2 * MiB] and set(sums) == {1}
         assert stats.tier_failovers == first_failovers
         assert stats.tier_requests["1"] == 5
+        assert client.answers == 1 + 5  # the manifest from the hub, the slices from the node: all count as upstream
     finally:
         await client.aclose()
 
