@@ -266,11 +266,12 @@ def _warn_if_token_in_clear(config: MountConfig) -> None:
     A loopback hub URL is warned about too: the spoke cannot tell a hub on this
     host from a forwarder (socat, a sidecar) that carries the token on in clear.
     """
-    if config.token and not config.hub_url.tls:
+    in_clear = [str(url) for url in (config.hub_url, *config.tier_urls) if not url.tls]
+    if config.token and in_clear:
         log.warning(
             "the hub token goes to %s unencrypted: anyone on the network path can read and reuse it, and can "
             "change the data in transit (the block checksums come over the same connection, so they do not "
-            "catch that); use an https:// hub URL", config.hub_url,
+            "catch that); use https:// URLs", ", ".join(in_clear),
         )
 
 
