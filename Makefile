@@ -38,8 +38,10 @@ TEST_WORKERS ?= 4
 test: system-packages setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
+# The benchmark, then torch's own DataLoader through cachefs over the same emulated WAN (a few minutes).
 bench: system-packages setup
 	$(BIN)/pip install -q -e '.[bench]' && $(BIN)/python -m cachefs.bench $(BENCH_ARGS)
+	$(BIN)/python -m cachefs.bench.torch_loader $(TORCH_BENCH_ARGS)
 
 lint: setup
 	$(BIN)/python -m ruff check cachefs hubserver tests scripts
