@@ -19,6 +19,7 @@ from mount_helpers import SpokeMount, mounted_spoke, wait_for_stats
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from cachefs import plan as cachefs_plan
+from cachefs.bench import torch_loader as torch_bench
 
 KiB = 1024
 # Not a divisor of the 64 KiB test block: most samples span two blocks.
@@ -204,3 +205,15 @@ def test_the_pytorch_example_trains_an_epoch_through_a_mount_with_a_plan(mount: 
     stats = wait_for_stats(mount, lambda s: s["training"]["plans_active"] == 0)
     assert [record["epoch"] for record in stats["training"]["epochs"]] == [1]
     assert stats["read_bytes"] >= samples * window
+
+
+def test_link_bound_of_random_samples_smaller_than_a_block_is_far_above_the_compute_time() -> None:
+    config = torch_bench.BenchConfig(shard_counts=(4,))
+    samples = 4 * config.shard_bytes // config.sample_bytes
+    compute_s = samples // config.batch_size * config.compute_s
+    in_order, shuffled = list(range(samples)), torch_bench.epoch_order(samples, config.seed)
+    # 80 MiB/s of samples over a 125 MB/s link: fetched sample by sample, or in order, the link keeps up.
+    assert torch_bench.link_bound_s(shuffled, config, config.sample_bytes) == pytest.approx(compute_s, rel=0.05)
+    assert torch_bench.link_bound_s(in_order, config, config.block_bytes) == pytest.approx(compute_s, rel=0.05)
+    # In 1 MiB blocks, a random order needs most blocks in the epoch's first batches.
+    assert torch_bench.link_bound_s(shuffled, config, config.block_bytes) > 1.2 * compute_s
