@@ -238,6 +238,7 @@ def run_epoch(paths: list[str], config: BenchConfig, planned: bool, pids: dict[s
         "busy_pct": 100 * compute_s / wall_s,
         "first_batch_s": waits[0],
         "stall_after_first_s": sum(waits[1:]),
+        "stall_first_quarter_s": sum(waits[1:len(waits) // 4]),
         "end_s": started + wall_s - waited,  # after the last batch's compute, until the loader said it was done
         "handover_s": handed_over[0] if handed_over else None,
         "batch_waits_s": [round(wait, 4) for wait in waits],
@@ -364,9 +365,9 @@ def report(results: dict[str, Any]) -> str:
         lines.append(f"| {entry['shards']} x {config.shard_bytes / MiB:g} MiB | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "| dataset | run | samples/s | busy % | 1st batch s | stall after s | plan s | WAN MiB "
+        "| dataset | run | samples/s | busy % | 1st batch s | stall after s | of it in 1st quarter | plan s | WAN MiB "
         "| CPU s: daemon | hub | emulator | loader | idle s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for entry in results["datasets"]:
         for mode in MODES:
@@ -377,7 +378,8 @@ def report(results: dict[str, Any]) -> str:
             daemon = f"{cpu['daemon']:.2f}" if "daemon" in cpu else "-"
             lines.append(
                 f"| {entry['shards']} x {config.shard_bytes / MiB:g} MiB | {mode} | {row['samples_per_s']:.0f} | "
-                f"{row['busy_pct']:.1f} | {row['first_batch_s']:.2f} | {row['stall_after_first_s']:.2f} | {plan} | "
+                f"{row['busy_pct']:.1f} | {row['first_batch_s']:.2f} | {row['stall_after_first_s']:.2f} | "
+                f"{row['stall_first_quarter_s']:.2f} | {plan} | "
                 f"{wan} | {daemon} | {cpu['hub']:.2f} | {cpu['emulator']:.2f} | {cpu['loader']:.2f} | "
                 f"{row['idle_s']:.1f} |")
     lines += [
@@ -387,8 +389,9 @@ def report(results: dict[str, Any]) -> str:
         "per-read costs left out): random samples smaller than a block make the epoch's first batches need most "
         "blocks at once.",
         "busy % = compute / wall; 1st batch s: from creating the loader's iterator (workers starting) to the first "
-        "batch; stall after s: waiting for batches after the first; plan s: until the daemon accepted the whole "
-        "plan; CPU s: user + system seconds per run (loader = training process and its workers); idle s: idle "
+        "batch; stall after s: waiting for batches after the first (of it in the epoch's first quarter of "
+        "batches); plan s: until the daemon accepted the whole plan; CPU s: user + system seconds per run "
+        "(loader = training process and its workers); idle s: idle "
         f"core-seconds of the machine's {results['datasets'][0]['runs']['local']['cores']} cores during the run.",
     ]
     return "\n".join(lines)
