@@ -44,7 +44,7 @@ bench: system-packages setup
 	$(BIN)/python -m cachefs.bench.torch_loader $(TORCH_BENCH_ARGS)
 
 lint: setup
-	$(BIN)/python -m ruff check cachefs hubserver tests scripts
+	$(BIN)/python -m ruff check cachefs hubserver tests scripts examples
 
 clean:
 	rm -rf $(VENV) build *.egg-info
