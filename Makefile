@@ -69,11 +69,13 @@ TEST_WORKERS ?= 4
 test: test-setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
+# The benchmark, then torch's own DataLoader through cachefs over the same emulated WAN (a few minutes).
 bench: test-setup
 	$(BIN)/pip install -q -e '.[bench]' && $(BIN)/python -m cachefs.bench $(BENCH_ARGS)
+	$(BIN)/python -m cachefs.bench.torch_loader $(TORCH_BENCH_ARGS)
 
 lint: test-setup
-	$(BIN)/python -m ruff check cachefs hubserver tests scripts
+	$(BIN)/python -m ruff check cachefs hubserver tests scripts examples
 
 install:
 	$(call apt_install,$(INSTALL_PACKAGES_$(ROLE)) $(if $(filter yes,$(PASSTHROUGH)),$(INSTALL_PACKAGES_passthrough)))
