@@ -183,7 +183,7 @@ class MountConfig:
     # 1 MiB: the kernel's largest FUSE read request, so one cached block serves
     # one request; large enough that a 60 ms RTT link moves ~17 MB per round
     # trip and connection, small enough that a random 16 KiB sample fetches
-    # little waste. See README "Block size" for the measurement.
+    # little waste. See docs/usage.md "Block size" for the measurement.
     block_size_bytes: int = 1 * MiB
     # Concurrent HTTP connections to the hub. HTTP/1.1 carries one request at
     # a time per connection, and each fetch has a checksum request beside it:
@@ -228,7 +228,7 @@ class MountConfig:
     # cache's data files (FUSE passthrough; Linux >= 6.9, root, the pyfuse3
     # of scripts/install_passthrough_fuse.sh). Off by default: those reads are
     # not checked against the block checksums, so a data file changed on disk
-    # after its verification would be served as it is (README).
+    # after its verification would be served as it is (docs/usage.md).
     passthrough: bool = False
     # Poll the hub for a new generation every this many seconds and move to
     # it; None: only on `cachefs refresh` (a job sees one snapshot), or once

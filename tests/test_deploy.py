@@ -869,14 +869,15 @@ def test_kubernetes_scrape_job_uses_the_alert_job_names() -> None:
     assert {job["job_name"] for job in static} == jobs
 
 
-# -- the README ---------------------------------------------------------------------
+# -- the operator docs --------------------------------------------------------------
 
 
-def test_readme_operations_names_existing_files() -> None:
-    readme = (REPO_ROOT / "README.md").read_text()
-    operations = readme[readme.index("\n## Operations") :]
-    for path in set(re.findall(r"(?<![\w/.-])((?:deploy|systemd)/[\w./@-]+\w)", operations)):
-        assert (REPO_ROOT / path).exists(), path
+def test_operator_docs_name_existing_files_and_explain_every_alert() -> None:
+    docs = {name: (REPO_ROOT / "docs" / name).read_text() for name in ("operations.md", "monitoring.md")}
+    for name, text in docs.items():
+        for path in set(re.findall(r"(?<![\w/.-])((?:deploy|systemd)/[\w./@-]+\w)", text)):
+            assert (REPO_ROOT / path).exists(), f"docs/{name} names a missing {path}"
+    alerts_section = docs["monitoring.md"][docs["monitoring.md"].index("\n## Alerts") :]
     for alert in alert_rules():
-        assert alert["alert"] in operations, f"README does not explain {alert['alert']}"
+        assert f"`{alert['alert']}`" in alerts_section, f"docs/monitoring.md does not explain {alert['alert']}"
 
