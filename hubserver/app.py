@@ -65,7 +65,7 @@ def make_app(config: HubConfig, auth: HubAuth | None = None) -> web.Application:
     """Build the hub application; the root is scanned when it starts.
 
     ``auth`` defaults to the token files named in ``config`` (loaded now;
-    raises auth.TokenFileError).
+    raises TokenFileError).
     """
     if auth is None:
         auth = HubAuth.from_config(config)

@@ -32,6 +32,7 @@ from aiohttp import hdrs, web
 
 from hubserver.clients import request_client
 from hubserver.config import HubConfig
+from hubserver.errors import TokenFileError
 from hubserver.handlers import endpoint_of, json_error, loggable_target, printable
 from hubserver.metrics import (
     AUTH_INVALID,
@@ -61,11 +62,6 @@ _FORBIDDEN_MODE_BITS: Final = 0o077
 _REALM: Final = "cachefs-hub"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class TokenFileError(Exception):
-    """A token file cannot be used; the message is one line, naming the file
-    and line but never a token."""
 
 
 @dataclass(frozen=True, slots=True)

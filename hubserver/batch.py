@@ -34,16 +34,10 @@ from aiohttp import web
 
 from hubserver.checksums import block_bytes_param
 from hubserver.clients import request_client
+from hubserver.errors import FileChangedError, FileUnavailableError, HubHTTPError, NotInSnapshotError
 from hubserver.fairness import PerClientTurns
-from hubserver.handlers import (
-    IMMUTABLE_CACHE_CONTROL,
-    SNAPSHOT_KEY,
-    HubHTTPError,
-    check_query,
-    json_error,
-    send_file_range,
-)
-from hubserver.manifest import FileChangedError, FileRecord, FileUnavailableError, Snapshot, open_unchanged, read_block
+from hubserver.handlers import IMMUTABLE_CACHE_CONTROL, SNAPSHOT_KEY, check_query, json_error, send_file_range
+from hubserver.manifest import FileRecord, Snapshot, open_unchanged, read_block
 from hubserver.metrics import ENDPOINT_BATCH
 
 LOG = logging.getLogger(__name__)
@@ -84,10 +78,6 @@ class BatchSlots:
 SLOTS_KEY: Final = web.AppKey("batch_slots", BatchSlots)
 
 
-class _NotInSnapshot(Exception):
-    """A file the batch names is not (or no longer) the snapshot's: 412."""
-
-
 async def batch(request: web.Request) -> web.StreamResponse:
     """The named files' bytes back to back, their checksums in SUMS_HEADER."""
     check_query(request, _QUERY)
@@ -106,7 +96,7 @@ async def batch(request: web.Request) -> web.StreamResponse:
             raise HubHTTPError(503, "too many batches under way; retry", {"Retry-After": "1"})
         async with slots.taken(client):
             sums = await asyncio.get_running_loop().run_in_executor(None, _hash_all, snapshot, records, slots.on_hashed)
-    except _NotInSnapshot as exc:
+    except NotInSnapshotError as exc:
         LOG.info("batch: %s; answering 412", exc)
         return json_error(412, str(exc))
     except FileUnavailableError as exc:
@@ -149,7 +139,7 @@ def _record(snapshot: Snapshot, name: str, block_bytes: int) -> FileRecord:
     file_id, version = name.split(".")
     record = snapshot.files_by_id.get(file_id)
     if record is None or record.version != version:
-        raise _NotInSnapshot(f"file {file_id} version {version} is not in this snapshot")
+        raise NotInSnapshotError(f"file {file_id} version {version} is not in this snapshot")
     if record.size_bytes > block_bytes:
         raise HubHTTPError(400, f"file {file_id} is larger than one block of {block_bytes} bytes")
     return record
@@ -164,13 +154,13 @@ def _hash_all(snapshot: Snapshot, records: list[FileRecord], on_hashed: Callable
             fd = open_unchanged(snapshot, record)
         except FileChangedError as exc:
             LOG.warning("file %s: %s", record.file_id, exc)
-            raise _NotInSnapshot(f"file {record.file_id} changed on disk since the snapshot") from None
+            raise NotInSnapshotError(f"file {record.file_id} changed on disk since the snapshot") from None
         try:
             content = read_block(fd, record, record.size_bytes, 0)
         finally:
             os.close(fd)
         on_hashed(ENDPOINT_BATCH, len(content))
         if len(content) != record.size_bytes:
-            raise _NotInSnapshot(f"file {record.file_id} shrank on disk since the snapshot")
+            raise NotInSnapshotError(f"file {record.file_id} shrank on disk since the snapshot")
         sums.append(xxhash.xxh3_64_intdigest(content))
     return sums

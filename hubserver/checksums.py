@@ -37,17 +37,10 @@ from aiohttp import web
 
 from hubserver import handlers
 from hubserver.clients import request_client
+from hubserver.errors import FileChangedError, FileUnavailableError, HubHTTPError, RequestAbandoned
 from hubserver.fairness import PerClientTurns
-from hubserver.handlers import SNAPSHOT_KEY, HubHTTPError, json_error, unavailable
-from hubserver.manifest import (
-    FileChangedError,
-    FileRecord,
-    FileUnavailableError,
-    Snapshot,
-    check_unchanged,
-    open_unchanged,
-    read_block,
-)
+from hubserver.handlers import SNAPSHOT_KEY, json_error, unavailable
+from hubserver.manifest import FileRecord, Snapshot, check_unchanged, open_unchanged, read_block
 from hubserver.metrics import ENDPOINT_CHECKSUMS, ENDPOINT_FILES
 
 LOG = logging.getLogger(__name__)
@@ -78,10 +71,6 @@ MAX_HEADER_SUMS: Final = 64  # ~1.1 KB of header; larger ranges get no header
 _Key = tuple[str, str, int, int]  # file id, version, block size, block
 # How often a request waiting for another's computation looks whether its client is still there.
 _WAIT_CHECK_S: Final = 0.25
-
-
-class RequestAbandoned(Exception):
-    """The client went away: its checksums are not hashed further."""
 
 
 def _always_wanted() -> bool:

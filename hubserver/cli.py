@@ -28,6 +28,7 @@ from hubserver.config import (
     LOG_LEVELS,
     HubConfig,
 )
+from hubserver.errors import TLSConfigError, TokenFileError, UserError
 
 if TYPE_CHECKING:
     from hubserver.auth import HubAuth
@@ -39,10 +40,6 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-
-
-class UserError(Exception):
-    """A problem the user can fix; reported as one line, no traceback."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -370,8 +367,8 @@ async def serve(config: HubConfig, auth: HubAuth, ssl_context: ssl.SSLContext | 
 def _load_credentials(config: HubConfig) -> tuple[HubAuth, ssl.SSLContext | None]:
     """Read the token files and TLS files now, so that a mistake is one line
     at start and not a surprise at the first request. Raises UserError."""
-    from hubserver.auth import HubAuth, TokenFileError
-    from hubserver.server import TLSConfigError, make_ssl_context
+    from hubserver.auth import HubAuth
+    from hubserver.server import make_ssl_context
 
     try:
         return HubAuth.from_config(config), make_ssl_context(config)

@@ -13,7 +13,8 @@ from typing import Final
 from aiohttp import hdrs, web
 from aiohttp.abc import AbstractStreamWriter
 
-from hubserver.manifest import FileChangedError, FileRecord, FileUnavailableError, open_unchanged
+from hubserver.errors import FileChangedError, FileUnavailableError, HubHTTPError, RangeNotSatisfiable
+from hubserver.manifest import FileRecord, open_unchanged
 from hubserver.metrics import ENDPOINT_OTHER, ENDPOINTS, HubMetrics
 
 LOG = logging.getLogger(__name__)
@@ -40,20 +41,6 @@ _MAX_POSITION_DIGITS: Final = 19
 _FILES_QUERY: Final = frozenset({"v", "bs"})  # bs: see checksums.file_data
 NO_QUERY: Final = frozenset[str]()
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class RangeNotSatisfiable(Exception):
-    """The Range header is not one satisfiable byte range of the file."""
-
-
-class HubHTTPError(Exception):
-    """A protocol error, answered with ``json_error`` by ``error_middleware``."""
-
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.headers = headers
 
 
 def printable(text: str, limit_chars: int = 200) -> str:

@@ -24,6 +24,7 @@ from pathlib import Path
 import xxhash
 
 from hubserver.beneath import open_beneath
+from hubserver.errors import FileChangedError, FileUnavailableError
 
 LOG = logging.getLogger(__name__)
 
@@ -37,15 +38,6 @@ KIND_SYMLINK = "l"
 # Opening a file that was swapped for a FIFO or a device must never block or
 # take a controlling terminal; no component may be a symlink (see beneath.py).
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-
-
-class FileChangedError(Exception):
-    """The file on disk is no longer the one recorded in the snapshot."""
-
-
-class FileUnavailableError(Exception):
-    """The file could not be opened or read for a reason that may pass (no descriptor or
-    memory left, an I/O error): not a change, so clients retry."""
 
 
 # Errors of open() that say the path no longer leads to a readable file of the root (it

@@ -23,7 +23,8 @@ from typing import Final
 
 from aiohttp import web
 
-from hubserver.handlers import NO_QUERY, SNAPSHOT_KEY, HubHTTPError, check_query
+from hubserver.errors import HubHTTPError
+from hubserver.handlers import NO_QUERY, SNAPSHOT_KEY, check_query
 from hubserver.manifest import Snapshot, scan
 from hubserver.metrics import HubMetrics
 

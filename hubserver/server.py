@@ -52,6 +52,7 @@ from aiohttp.web_protocol import RequestHandler
 from hubserver.auth import IDENTITY_KEY, client_cert_name
 from hubserver.clients import client_of
 from hubserver.config import HubConfig
+from hubserver.errors import TLSConfigError
 from hubserver.handlers import (
     BODY_BYTES_KEY,
     SERVER_HEADER,
@@ -81,10 +82,6 @@ _REFUSAL_RESPONSE: Final = (
     b"Server: " + SERVER_HEADER.encode() + b"\r\n"
     b"Connection: close\r\n\r\n" + _REFUSAL_BODY
 )
-
-
-class TLSConfigError(Exception):
-    """A TLS option cannot be used; one line for the user."""
 
 
 def _ssl_reason(exc: BaseException) -> str:
