@@ -13,7 +13,7 @@ from aiohttp import web
 from hubserver import batch, checksums, handlers, rescan
 from hubserver.auth import HubAuth, make_auth_middleware
 from hubserver.config import HubConfig
-from hubserver.handlers import MANIFEST_CHUNK_BYTES_KEY, METRICS_KEY, SNAPSHOT_KEY
+from hubserver.handlers import MANIFEST_CHUNK_BYTES_KEY, METRICS_KEY
 from hubserver.manifest import scan
 from hubserver.metrics import (
     ENDPOINT_BATCH,
@@ -25,6 +25,7 @@ from hubserver.metrics import (
     ENDPOINT_RESCAN,
     HubMetrics,
 )
+from hubserver.rescan import SNAPSHOT_KEY
 from hubserver.server import make_observe_middleware
 
 LOG = logging.getLogger(__name__)
@@ -98,5 +99,5 @@ def make_app(config: HubConfig, auth: HubAuth | None = None) -> web.Application:
     app[batch.SLOTS_KEY] = batch.BatchSlots(on_hashed=metrics.count_hashed)
     add_get("/v1/batch", batch.batch, allow_head=False, name=ENDPOINT_BATCH)
     add_get("/metrics", handlers.metrics, name=ENDPOINT_METRICS)
-    app.router.add_post("/v1/rescan", rescan.rescan_request, name=ENDPOINT_RESCAN)
+    app.router.add_post("/v1/rescan", handlers.rescan, name=ENDPOINT_RESCAN)
     return app

@@ -326,7 +326,7 @@ async def serve(config: HubConfig, auth: HubAuth, ssl_context: ssl.SSLContext | 
     from aiohttp import web
 
     from hubserver.app import METRICS_KEY, make_app
-    from hubserver.handlers import SNAPSHOT_KEY
+    from hubserver.rescan import SNAPSHOT_KEY
     from hubserver.server import handler_options, start_server
 
     app = make_app(config, auth)

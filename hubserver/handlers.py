@@ -16,10 +16,10 @@ from aiohttp.abc import AbstractStreamWriter
 from hubserver.errors import FileChangedError, FileUnavailableError, HubHTTPError, RangeNotSatisfiable
 from hubserver.manifest import FileRecord, open_unchanged
 from hubserver.metrics import ENDPOINT_OTHER, ENDPOINTS, HubMetrics
+from hubserver.rescan import SNAPSHOT_KEY
 
 LOG = logging.getLogger(__name__)
 
-SNAPSHOT_KEY: Final = web.AppKey("snapshot", object)  # a rescan.SnapshotHolder; .current is the Snapshot
 MANIFEST_CHUNK_BYTES_KEY: Final = web.AppKey("manifest_chunk_bytes", int)
 METRICS_KEY: Final = web.AppKey("metrics", HubMetrics)
 BODY_BYTES_KEY: Final = web.RequestKey("body_bytes", int)
@@ -191,6 +191,20 @@ async def metrics(request: web.Request) -> web.Response:
     check_query(request, NO_QUERY)
     body, content_type = request.app[METRICS_KEY].exposition(request.headers.get(hdrs.ACCEPT))
     return web.Response(body=body, headers={hdrs.CONTENT_TYPE: content_type, hdrs.CACHE_CONTROL: "no-store"})
+
+
+async def rescan(request: web.Request) -> web.Response:
+    """``POST /v1/rescan``: publish a new generation now (unless one was scanned just now).
+    A root that cannot be scanned answers 503; the current generation stays."""
+    check_query(request, NO_QUERY)
+    holder = request.app[SNAPSHOT_KEY]
+    try:
+        snapshot, scanned = await holder.rescan(unless_recent=True)
+    except OSError as exc:
+        LOG.error("rescan failed: %s; still serving generation %s", exc.strerror or exc, holder.current.generation)
+        raise HubHTTPError(503, f"cannot scan the root: {exc.strerror or exc}; still serving generation "
+                                f"{holder.current.generation}") from None
+    return web.json_response({"generation": snapshot.generation, "files": snapshot.file_count, "rescanned": scanned})
 
 
 def parse_range(header: str | None, size_bytes: int) -> tuple[int, int] | None:

@@ -23,8 +23,6 @@ from typing import Final
 
 from aiohttp import web
 
-from hubserver.errors import HubHTTPError
-from hubserver.handlers import NO_QUERY, SNAPSHOT_KEY, check_query
 from hubserver.manifest import Snapshot, scan
 from hubserver.metrics import HubMetrics
 
@@ -74,6 +72,9 @@ class SnapshotHolder:
                       self.current.generation)
 
 
+SNAPSHOT_KEY: Final = web.AppKey("snapshot", SnapshotHolder)
+
+
 def publish(metrics: HubMetrics, snapshot: Snapshot, scan_s: float) -> None:
     metrics.set_snapshot(
         generation=snapshot.generation,
@@ -89,20 +90,6 @@ async def rescan_periodically(holder: SnapshotHolder, interval_s: float) -> None
     while True:
         await asyncio.sleep(interval_s)
         await holder.rescan_logged()
-
-
-async def rescan_request(request: web.Request) -> web.Response:
-    """``POST /v1/rescan``: publish a new generation now (unless one was scanned just now).
-    A root that cannot be scanned answers 503; the current generation stays."""
-    check_query(request, NO_QUERY)
-    holder: SnapshotHolder = request.app[SNAPSHOT_KEY]
-    try:
-        snapshot, scanned = await holder.rescan(unless_recent=True)
-    except OSError as exc:
-        LOG.error("rescan failed: %s; still serving generation %s", exc.strerror or exc, holder.current.generation)
-        raise HubHTTPError(503, f"cannot scan the root: {exc.strerror or exc}; still serving generation "
-                                f"{holder.current.generation}") from None
-    return web.json_response({"generation": snapshot.generation, "files": snapshot.file_count, "rescanned": scanned})
 
 
 async def interval_ctx(app: web.Application, interval_s: float | None) -> AsyncIterator[None]:

@@ -201,7 +201,7 @@ def _body_bytes(request: web.Request, response: web.StreamResponse) -> int:
         return 0
     if response.content_length is not None:
         return response.content_length
-    return request.get(BODY_BYTES_KEY, 0)
+    return request[BODY_BYTES_KEY] if BODY_BYTES_KEY in request else 0
 
 
 def make_observe_middleware(
