@@ -10,8 +10,8 @@ from typing import Final
 
 from aiohttp import web
 
-from hubserver import batch, checksums, handlers, rescan
-from hubserver.auth import HubAuth, make_auth_middleware
+from hubserver import batch, checksums, handlers, middlewares, rescan
+from hubserver.auth import HubAuth
 from hubserver.config import HubConfig
 from hubserver.handlers import MANIFEST_CHUNK_BYTES_KEY, METRICS_KEY
 from hubserver.manifest import scan
@@ -26,9 +26,8 @@ from hubserver.metrics import (
     HubMetrics,
 )
 from hubserver.rescan import SNAPSHOT_KEY
-from hubserver.server import make_observe_middleware
 
-LOG = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 CONFIG_KEY: Final = web.AppKey("config", HubConfig)
 AUTH_KEY: Final = web.AppKey("auth", HubAuth)
@@ -45,7 +44,7 @@ async def _snapshot_ctx(app: web.Application) -> AsyncIterator[None]:
     scan_s = time.monotonic() - started
     app[SNAPSHOT_KEY] = rescan.SnapshotHolder(snapshot, app[METRICS_KEY], config.root)
     rescan.publish(app[METRICS_KEY], snapshot, scan_s)
-    LOG.info(
+    log.info(
         "scanned %s: %d files, %d bytes, %d entries, generation %s (%.2f s)",
         snapshot.root,
         snapshot.file_count,
@@ -72,14 +71,7 @@ def make_app(config: HubConfig, auth: HubAuth | None = None) -> web.Application:
         auth = HubAuth.from_config(config)
     metrics = HubMetrics()
     app = web.Application(
-        # Outermost first: record every answer, make errors JSON, then check
-        # credentials, so that a 401 is counted and logged like any answer.
-        middlewares=[
-            make_observe_middleware(metrics, access_log=config.access_log),
-            handlers.error_middleware,
-            handlers.http_version_middleware,
-            make_auth_middleware(auth, metrics),
-        ],
+        middlewares=middlewares.chain(metrics, auth, config.access_log),
         client_max_size=config.client_max_size_bytes,
     )
     app[CONFIG_KEY] = config

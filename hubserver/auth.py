@@ -22,29 +22,22 @@ import logging
 import os
 import re
 import stat
-import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 from aiohttp import hdrs, web
 
-from hubserver.clients import request_client
+from hubserver.access_log import printable
 from hubserver.config import HubConfig
 from hubserver.errors import TokenFileError
-from hubserver.handlers import endpoint_of, json_error, loggable_target, printable
 from hubserver.metrics import (
-    AUTH_INVALID,
     AUTH_MALFORMED,
     AUTH_MISSING,
-    ENDPOINT_HEALTHZ,
-    ENDPOINT_METRICS,
-    ENDPOINT_RESCAN,
     HubMetrics,
 )
 
-LOG = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 IDENTITY_KEY: Final = web.RequestKey("identity", str)
 """Who made the request: the token's NAME, set once it is accepted."""
@@ -59,9 +52,6 @@ MAX_NAME_CHARS: Final = 64
 MAX_TOKEN_FILE_BYTES: Final = 1024 * 1024
 # Group and other may not have any access: the file holds secrets.
 _FORBIDDEN_MODE_BITS: Final = 0o077
-_REALM: Final = "cachefs-hub"
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,15 +185,15 @@ class HubAuth:
     def reload(self, metrics: HubMetrics | None = None) -> None:
         """Reload every token file (SIGHUP); log the outcome of each."""
         if not self.stores():
-            LOG.info("SIGHUP: no token file to reload")
+            log.info("SIGHUP: no token file to reload")
         for store in self.stores():
             try:
                 store.reload()
             except TokenFileError as exc:
-                LOG.error("SIGHUP: %s; the tokens loaded before stay in force", exc)
+                log.error("SIGHUP: %s; the tokens loaded before stay in force", exc)
                 result = "error"
             else:
-                LOG.info(
+                log.info(
                     "SIGHUP: reloaded token file %s: %d tokens (%s)",
                     store.path,
                     len(store.names),
@@ -227,24 +217,6 @@ def bearer_token(request: web.BaseRequest) -> tuple[str | None, str]:
     if scheme.lower() != "bearer" or not _TOKEN_RE.fullmatch(token) or len(token) > MAX_TOKEN_CHARS:
         return None, AUTH_MALFORMED
     return token, ""
-
-
-_REASON_TEXT: Final = {
-    AUTH_MISSING: "no Authorization header",
-    AUTH_MALFORMED: "Authorization is not one 'Bearer <token>'",
-    AUTH_INVALID: "unknown token",
-}
-
-
-def _unauthorized(reason: str) -> web.Response:
-    challenge = f'Bearer realm="{_REALM}"'
-    if reason != AUTH_MISSING:
-        challenge += ', error="invalid_token"'
-    return json_error(
-        401,
-        f"authentication required: {_REASON_TEXT[reason]}",
-        {hdrs.WWW_AUTHENTICATE: challenge},
-    )
 
 
 # A client's refusals are logged at most once per this many seconds (a client retrying
@@ -275,55 +247,6 @@ class RefusalLog:
         while len(self._clients) > _REFUSAL_LOG_CLIENTS:
             self._clients.popitem(last=False)
         return unlogged
-
-
-def make_auth_middleware(auth: HubAuth, metrics: HubMetrics) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """The middleware that answers 401 to requests without a valid token.
-
-    /healthz is always open; /metrics needs a token of ``auth.metrics`` if
-    set; POST /v1/rescan one of ``auth.admin`` (and is refused, 403, on a hub
-    with data tokens but no admin tokens: a data token does not allow it); any
-    other path (unknown ones too, so that nothing can be probed) needs a token
-    of ``auth.data`` if set. A client's 401s are logged at most once a minute
-    (RefusalLog), and all counted.
-    """
-    refusals = RefusalLog()
-
-    @web.middleware
-    async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        endpoint = endpoint_of(request)
-        if endpoint == ENDPOINT_HEALTHZ:
-            return await handler(request)
-        store = auth.data
-        if endpoint == ENDPOINT_METRICS:
-            store = auth.metrics
-        elif endpoint == ENDPOINT_RESCAN:
-            if auth.admin is None and auth.data is not None:
-                return json_error(403, "POST /v1/rescan needs an admin token, and this hub has no --admin-token-file")
-            store = auth.admin
-        if store is None:
-            return await handler(request)
-        token, reason = bearer_token(request)
-        name = store.identify(token) if token is not None else None
-        if name is None:
-            reason = reason or AUTH_INVALID
-            metrics.auth_failures.labels(endpoint, reason).inc()
-            unlogged = refusals.due(request_client(request), time.monotonic())
-            if unlogged is not None:
-                LOG.warning(
-                    "rejected %s %s from %s: %s (%d more refused from this client since its last report; "
-                    "at most one report a minute)",
-                    request.method,
-                    loggable_target(request),
-                    request.remote,
-                    _REASON_TEXT[reason],
-                    unlogged,
-                )
-            return _unauthorized(reason)
-        request[IDENTITY_KEY] = name
-        return await handler(request)
-
-    return auth_middleware
 
 
 def client_cert_name(request: web.BaseRequest) -> str | None:

@@ -41,7 +41,7 @@ from hubserver.manifest import FileRecord, Snapshot, open_unchanged, read_block
 from hubserver.metrics import ENDPOINT_BATCH
 from hubserver.rescan import SNAPSHOT_KEY
 
-LOG = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 MAX_FILES: Final = 64
 MAX_BYTES: Final = 8 * 1024 * 1024  # what one answer holds in the hub's memory
@@ -98,10 +98,10 @@ async def batch(request: web.Request) -> web.StreamResponse:
         async with slots.taken(client):
             sums = await asyncio.get_running_loop().run_in_executor(None, _hash_all, snapshot, records, slots.on_hashed)
     except NotInSnapshotError as exc:
-        LOG.info("batch: %s; answering 412", exc)
+        log.info("batch: %s; answering 412", exc)
         return json_error(412, str(exc))
     except FileUnavailableError as exc:
-        LOG.warning("batch: %s; answering 503", exc)
+        log.warning("batch: %s; answering 503", exc)
         return json_error(503, "a file of the batch cannot be read now; retry", {"Retry-After": "1"})
     return await _send(request, snapshot, records, sums)
 
@@ -124,7 +124,7 @@ async def _send(request: web.Request, snapshot: Snapshot, records: list[FileReco
         try:
             fd = await loop.run_in_executor(None, open_unchanged, snapshot, record)
         except (FileChangedError, FileUnavailableError) as exc:  # since it was hashed: the answer is cut
-            LOG.warning("batch: file %s cannot be sent (%s); closing the connection", record.file_id, exc)
+            log.warning("batch: file %s cannot be sent (%s); closing the connection", record.file_id, exc)
             if request.transport is not None:
                 request.transport.abort()
             raise ConnectionResetError(f"file {record.file_id} cannot be sent") from None
@@ -154,7 +154,7 @@ def _hash_all(snapshot: Snapshot, records: list[FileRecord], on_hashed: Callable
         try:
             fd = open_unchanged(snapshot, record)
         except FileChangedError as exc:
-            LOG.warning("file %s: %s", record.file_id, exc)
+            log.warning("file %s: %s", record.file_id, exc)
             raise NotInSnapshotError(f"file {record.file_id} changed on disk since the snapshot") from None
         try:
             content = read_block(fd, record, record.size_bytes, 0)

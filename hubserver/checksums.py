@@ -44,7 +44,7 @@ from hubserver.manifest import FileRecord, Snapshot, check_unchanged, open_uncha
 from hubserver.metrics import ENDPOINT_CHECKSUMS, ENDPOINT_FILES
 from hubserver.rescan import SNAPSHOT_KEY
 
-LOG = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 _HEX16: Final = re.compile(r"[0-9a-f]{16}")
 _ALLOWED: Final = frozenset({"v", "bs", "first", "count"})
@@ -242,7 +242,7 @@ async def file_data(request: web.Request) -> web.StreamResponse:
         )
     except FileChangedError as exc:
         response.close_fd()
-        LOG.warning("file %s: %s; answering 412", record.file_id, exc)
+        log.warning("file %s: %s; answering 412", record.file_id, exc)
         return json_error(412, f"file {record.file_id} changed on disk since the snapshot")
     except FileUnavailableError as exc:
         response.close_fd()
@@ -282,7 +282,7 @@ async def file_checksums(request: web.Request) -> web.Response:
                       client=request_client(request))
         )
     except FileChangedError as exc:
-        LOG.warning("file %s: %s; answering 412", file_id, exc)
+        log.warning("file %s: %s; answering 412", file_id, exc)
         return json_error(412, f"file {file_id} changed on disk since the snapshot")
     except FileUnavailableError as exc:
         return unavailable(record, exc)
@@ -301,5 +301,5 @@ async def file_checksums(request: web.Request) -> web.Response:
 def _abandoned(exc: RequestAbandoned) -> web.Response:
     """The answer to a request whose client went away while its sums were hashed (never
     delivered; 499, "client closed request", in the access log and metrics)."""
-    LOG.debug("%s: stopped hashing", exc)
+    log.debug("%s: stopped hashing", exc)
     return json_error(499, str(exc))

@@ -33,7 +33,7 @@ from hubserver.errors import TLSConfigError, TokenFileError, UserError
 if TYPE_CHECKING:
     from hubserver.auth import HubAuth
 
-LOG = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 PROG = "cachefs-hub"
 EXIT_OK = 0
@@ -347,12 +347,12 @@ async def serve(config: HubConfig, auth: HubAuth, ssl_context: ssl.SSLContext | 
         authenticated = auth.data is not None or config.tls_client_ca is not None
         warning = exposure_warning(host, authenticated, ssl_context is not None)
         if warning is not None:
-            LOG.warning("%s", warning)
+            log.warning("%s", warning)
         scheme = "https" if ssl_context is not None else "http"
         print(f"{PROG} listening on {scheme}://{_format_host(host)}:{port}", flush=True)
         sd_notify("READY=1")  # systemd's Type=notify: units ordered after the hub find it serving
         signum = await _wait_for_stop_signal()
-        LOG.info("received %s, shutting down", signum.name)
+        log.info("received %s, shutting down", signum.name)
         sd_notify("STOPPING=1")
     finally:
         loop.remove_signal_handler(signal.SIGHUP)
@@ -360,7 +360,7 @@ async def serve(config: HubConfig, auth: HubAuth, ssl_context: ssl.SSLContext | 
         if server is not None:
             server.close()
         await runner.cleanup()
-    LOG.info("stopped")
+    log.info("stopped")
     return EXIT_OK
 
 

@@ -7,18 +7,18 @@ import logging
 import os
 import re
 import weakref
-from collections.abc import Awaitable, Callable
 from typing import Final
 
 from aiohttp import hdrs, web
 from aiohttp.abc import AbstractStreamWriter
 
+from hubserver.access_log import printable
 from hubserver.errors import FileChangedError, FileUnavailableError, HubHTTPError, RangeNotSatisfiable
 from hubserver.manifest import FileRecord, open_unchanged
 from hubserver.metrics import ENDPOINT_OTHER, ENDPOINTS, HubMetrics
 from hubserver.rescan import SNAPSHOT_KEY
 
-LOG = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 MANIFEST_CHUNK_BYTES_KEY: Final = web.AppKey("manifest_chunk_bytes", int)
 METRICS_KEY: Final = web.AppKey("metrics", HubMetrics)
@@ -40,39 +40,12 @@ _MAX_POSITION_DIGITS: Final = 19
 # Query parameters each endpoint accepts; anything else is a 400.
 _FILES_QUERY: Final = frozenset({"v", "bs"})  # bs: see checksums.file_data
 NO_QUERY: Final = frozenset[str]()
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def printable(text: str, limit_chars: int = 200) -> str:
-    """``text`` made safe for one log line: control and non-printable
-    characters escaped, cut to ``limit_chars``."""
-    if len(text) > limit_chars:
-        text = text[:limit_chars] + "..."
-    if text.isprintable():
-        return text
-    return repr(text)[1:-1]
-
-
-# Query parameters of the protocol and what their values look like (ids, versions,
-# numbers): a query of only these is logged as sent, any other is not logged at all, as
-# it may carry a secret (a token someone put in the URL, ?access_token=...).
-_LOGGABLE_QUERY_RE: Final = re.compile(r"(?:(?:v|bs|first|count|f)=[0-9a-f.,]*)(?:&(?:v|bs|first|count|f)=[0-9a-f.,]*)*")
-REDACTED_QUERY: Final = "<query redacted>"
-
-
-def loggable_target(request: web.BaseRequest) -> str:
-    """The request target for a log line: the path, and the query only if it is made of
-    the protocol's parameters (else REDACTED_QUERY), escaped and cut as by ``printable``."""
-    path, sep, query = request.raw_path.partition("?")
-    if sep and not _LOGGABLE_QUERY_RE.fullmatch(query):
-        query = REDACTED_QUERY
-    return printable(path + sep + query, 300)
 
 
 def unavailable(record: FileRecord, exc: FileUnavailableError) -> web.Response:
     """The answer when a file cannot be opened or read for a reason that may pass: 503,
     which clients retry (a 412 would tell them the file changed)."""
-    LOG.warning("file %s: %s; answering 503", record.file_id, exc)
+    log.warning("file %s: %s; answering 503", record.file_id, exc)
     return json_error(503, f"file {record.file_id} cannot be read now; retry", {hdrs.RETRY_AFTER: "1"})
 
 
@@ -99,36 +72,6 @@ def check_query(request: web.Request, allowed: frozenset[str]) -> None:
             raise HubHTTPError(400, f"unexpected query parameter (this endpoint takes: {takes})")
         if len(query.getall(key)) > 1:
             raise HubHTTPError(400, f"query parameter {key!r} given more than once")
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Answer every error as JSON; never send a traceback. A client that
-    went away is not an error here: ConnectionError passes through."""
-    try:
-        return await handler(request)
-    except HubHTTPError as exc:
-        return json_error(exc.status, exc.message, exc.headers)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        headers: dict[str, str] = {}
-        if hdrs.ALLOW in exc.headers:
-            headers[hdrs.ALLOW] = exc.headers[hdrs.ALLOW]
-        return json_error(exc.status, exc.reason, headers)
-    except ConnectionError:
-        raise
-    except Exception:
-        LOG.exception("unexpected error answering %s %s", request.method, loggable_target(request))
-        return json_error(500, "internal server error")
-
-
-@web.middleware
-async def http_version_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Refuse (505) any HTTP major version but 1: the hub speaks HTTP/1.x."""
-    if request.version.major != 1:
-        return json_error(505, "HTTP version not supported: the hub speaks HTTP/1.1")
-    return await handler(request)
 
 
 async def set_server_header(request: web.Request, response: web.StreamResponse) -> None:
@@ -179,10 +122,10 @@ async def manifest(request: web.Request) -> web.StreamResponse:
             sent_bytes += len(chunk)
         await response.write_eof()
     except ConnectionError as exc:
-        LOG.info("manifest: client %s went away after %d bytes: %s", request.remote, sent_bytes, exc)
+        log.info("manifest: client %s went away after %d bytes: %s", request.remote, sent_bytes, exc)
         raise
     request[BODY_BYTES_KEY] = sent_bytes
-    LOG.debug("manifest: sent %d gzip bytes, %d entries", sent_bytes, snapshot.entry_count)
+    log.debug("manifest: sent %d gzip bytes, %d entries", sent_bytes, snapshot.entry_count)
     return response
 
 
@@ -201,7 +144,7 @@ async def rescan(request: web.Request) -> web.Response:
     try:
         snapshot, scanned = await holder.rescan(unless_recent=True)
     except OSError as exc:
-        LOG.error("rescan failed: %s; still serving generation %s", exc.strerror or exc, holder.current.generation)
+        log.error("rescan failed: %s; still serving generation %s", exc.strerror or exc, holder.current.generation)
         raise HubHTTPError(503, f"cannot scan the root: {exc.strerror or exc}; still serving generation "
                                 f"{holder.current.generation}") from None
     return web.json_response({"generation": snapshot.generation, "files": snapshot.file_count, "rescanned": scanned})
@@ -299,7 +242,7 @@ async def send_file_range(request: web.BaseRequest, fd: int, record: FileRecord,
     with open(fd, "rb", buffering=0, closefd=False) as file:  # noqa: ASYNC230 (wraps the open descriptor)
         sent = await asyncio.get_running_loop().sendfile(transport, file, offset, length)
     if sent < length:
-        LOG.warning("file %s shrank while being sent (%d of %d bytes); closing the connection",
+        log.warning("file %s shrank while being sent (%d of %d bytes); closing the connection",
                     record.file_id, sent, length)
         transport.abort()
         raise ConnectionResetError(f"file {record.file_id} shrank while being sent")
@@ -343,7 +286,7 @@ async def file_data(request: web.Request) -> web.StreamResponse:
     try:
         fd = await loop.run_in_executor(None, open_unchanged, snapshot, record)
     except FileChangedError as exc:
-        LOG.warning("file %s: %s; answering 412", record.file_id, exc)
+        log.warning("file %s: %s; answering 412", record.file_id, exc)
         return json_error(412, f"file {record.file_id} changed on disk since the snapshot")
     except FileUnavailableError as exc:
         return unavailable(record, exc)

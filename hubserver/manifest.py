@@ -26,7 +26,7 @@ import xxhash
 from hubserver.beneath import open_beneath
 from hubserver.errors import FileChangedError, FileUnavailableError
 
-LOG = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 MANIFEST_FORMAT = "cachefs-manifest"
 MANIFEST_FORMAT_VERSION = 1
@@ -357,17 +357,17 @@ def _look_at(prefix: bytes, dir_fd: int, child: os.DirEntry[str]) -> _Scanned | 
     try:
         st = os.stat(child.name, dir_fd=dir_fd, follow_symlinks=False)
     except OSError as exc:
-        LOG.warning("skipping %r: cannot stat: %s", _decode_path(rel), exc.strerror)
+        log.warning("skipping %r: cannot stat: %s", _decode_path(rel), exc.strerror)
         return None
     if stat.S_ISLNK(st.st_mode):
         try:
             return _Scanned(rel, st, os.fsencode(os.readlink(child.name, dir_fd=dir_fd)))
         except OSError as exc:
-            LOG.warning("skipping symlink %r: cannot read it: %s", _decode_path(rel), exc.strerror)
+            log.warning("skipping symlink %r: cannot read it: %s", _decode_path(rel), exc.strerror)
             return None
     if stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode):
         return _Scanned(rel, st)
-    LOG.debug("skipping special file %r (mode %o)", _decode_path(rel), st.st_mode)
+    log.debug("skipping special file %r (mode %o)", _decode_path(rel), st.st_mode)
     return None
 
 
@@ -377,19 +377,19 @@ def _open_dir(dir_fd: int, name: str, scanned: _Scanned) -> tuple[int, Iterator[
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except OSError as exc:  # ELOOP: swapped for a symlink since
-        LOG.warning("skipping directory %r: cannot open: %s", rel, exc.strerror)
+        log.warning("skipping directory %r: cannot open: %s", rel, exc.strerror)
         return None
     try:
         st = os.fstat(fd)
         if (st.st_dev, st.st_ino) != (scanned.st.st_dev, scanned.st.st_ino):
-            LOG.warning("skipping directory %r: replaced during the scan", rel)
+            log.warning("skipping directory %r: replaced during the scan", rel)
             os.close(fd)
             return None
         scanned.st = st
         return fd, iter(_list_dir(fd))
     except OSError as exc:
         os.close(fd)
-        LOG.warning("skipping directory %r: cannot list: %s", rel, exc.strerror)
+        log.warning("skipping directory %r: cannot list: %s", rel, exc.strerror)
         return None
 
 
@@ -437,7 +437,7 @@ def scan(root: Path) -> Snapshot:
         if record is not None:
             first = files_by_id.add(record)
             if first is not None:
-                LOG.error(
+                log.error(
                     "file id collision: %r and %r both hash to %s; serving only the first",
                     first.path,
                     record.path,

@@ -26,7 +26,7 @@ from aiohttp import web
 from hubserver.manifest import Snapshot, scan
 from hubserver.metrics import HubMetrics
 
-LOG = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 MIN_INTERVAL_S: Final = 1.0
 IDLE_PER_SCAN: Final = 4.0
@@ -59,7 +59,7 @@ class SnapshotHolder:
                 self._scan_s = self.scanned_at - started
             self.current = snapshot
             publish(self._metrics, snapshot, self._scan_s)
-            LOG.info("rescanned %s: generation %s -> %s, %d files (%.2f s)", snapshot.root,
+            log.info("rescanned %s: generation %s -> %s, %d files (%.2f s)", snapshot.root,
                      previous.generation, snapshot.generation, snapshot.file_count, self._scan_s)
             return snapshot, True
 
@@ -68,7 +68,7 @@ class SnapshotHolder:
         try:
             await self.rescan()
         except OSError as exc:
-            LOG.error("rescan of %s failed: %s; still serving generation %s", self._root, exc.strerror or exc,
+            log.error("rescan of %s failed: %s; still serving generation %s", self._root, exc.strerror or exc,
                       self.current.generation)
 
 

@@ -35,7 +35,6 @@ import re
 import socket
 import ssl
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from aiohttp import hdrs, web
@@ -49,24 +48,14 @@ from aiohttp.http_exceptions import (
 )
 from aiohttp.web_protocol import RequestHandler
 
-from hubserver.auth import IDENTITY_KEY, client_cert_name
+from hubserver.access_log import log_access
 from hubserver.clients import client_of
 from hubserver.config import HubConfig
 from hubserver.errors import TLSConfigError
-from hubserver.handlers import (
-    BODY_BYTES_KEY,
-    SERVER_HEADER,
-    endpoint_of,
-    json_error,
-    loggable_target,
-    printable,
-)
-from hubserver.metrics import ENDPOINT_MALFORMED, STATUS_CLIENT_CLOSED, HubMetrics
+from hubserver.handlers import SERVER_HEADER, json_error
+from hubserver.metrics import ENDPOINT_MALFORMED, HubMetrics
 
-LOG = logging.getLogger(__name__)
-ACCESS_LOG: Final = logging.getLogger("hubserver.access")
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+log = logging.getLogger(__name__)
 
 # A refused connection gets its 503 when its first bytes arrive (so the
 # request is read and the close is clean), or after this long without any.
@@ -167,85 +156,6 @@ def parser_reason(exc: HttpProcessingError) -> str:
     return "malformed request"
 
 
-# --------------------------------------------------------------- access log
-
-
-def log_access(request: web.BaseRequest, identity: str, status: str, body_bytes: int, duration_s: float) -> None:
-    """One access-log line: client address, identity (a token's NAME, a
-    client certificate's cn=..., or -), request line, status, body bytes,
-    seconds. Never a token: the query is left out unless it is the protocol's (see
-    ``loggable_target``), and headers are not logged."""
-    if not ACCESS_LOG.isEnabledFor(logging.INFO):
-        return
-    version = request.version
-    ACCESS_LOG.info(
-        '%s %s "%s %s HTTP/%d.%d" %s %d %.6f',
-        request.remote or "-",
-        identity,
-        printable(request.method, 20),
-        loggable_target(request),
-        version.major,
-        version.minor,
-        status,
-        body_bytes,
-        duration_s,
-    )
-
-
-def _identity(request: web.BaseRequest) -> str:
-    return request.get(IDENTITY_KEY) or client_cert_name(request) or "-"
-
-
-def _body_bytes(request: web.Request, response: web.StreamResponse) -> int:
-    if request.method == hdrs.METH_HEAD:
-        return 0
-    if response.content_length is not None:
-        return response.content_length
-    return request[BODY_BYTES_KEY] if BODY_BYTES_KEY in request else 0
-
-
-def make_observe_middleware(
-    metrics: HubMetrics, access_log: bool = True
-) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """The outermost middleware: sends the response, then records it (and
-    writes its access-log line if ``access_log``)."""
-
-    @web.middleware
-    async def observe_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        started = time.monotonic()
-        connection = request.protocol if isinstance(request.protocol, HubRequestHandler) else None
-        if connection is not None:
-            connection.request_started()
-        status = STATUS_CLIENT_CLOSED
-        body_bytes = 0
-        try:
-            response = await handler(request)
-            await response.prepare(request)
-            await response.write_eof()
-            status = str(response.status)
-            body_bytes = _body_bytes(request, response)
-            return response
-        except (ConnectionError, asyncio.CancelledError):
-            raise
-        except TimeoutError as exc:
-            # ETIMEDOUT from the socket: the kernel gave up on a client that
-            # accepted no data for --send-timeout. It went away, in effect.
-            LOG.info("cut the response to %s: it accepted no data for --send-timeout", request.remote)
-            raise ConnectionResetError("send timeout") from exc
-        except Exception:
-            status = "500"
-            raise
-        finally:
-            duration_s = time.monotonic() - started
-            metrics.observe_request(endpoint_of(request), status, duration_s, body_bytes)
-            if access_log:
-                log_access(request, _identity(request), status, body_bytes, duration_s)
-            if connection is not None:
-                connection.request_finished()
-
-    return observe_middleware
-
-
 # --------------------------------------------------------------- connections
 
 
@@ -298,7 +208,7 @@ class ConnectionLimits:
         self._refused_since_log += 1
         now = time.monotonic()
         if self._refusal_logged_at is None or now - self._refusal_logged_at >= _REFUSAL_LOG_INTERVAL_S:
-            LOG.warning("refusing connections: %s (%d refused since the last report)", why, self._refused_since_log)
+            log.warning("refusing connections: %s (%d refused since the last report)", why, self._refused_since_log)
             self._refusal_logged_at = now
             self._refused_since_log = 0
 
@@ -382,7 +292,7 @@ class HubRequestHandler(RequestHandler):
                 ssl_handshake_timeout=self._limits.header_timeout_s,
             )
         except Exception as exc:  # the handshake failed or timed out; the transport is closed
-            LOG.debug("TLS handshake with %s failed: %s", self._client, exc)
+            log.debug("TLS handshake with %s failed: %s", self._client, exc)
         finally:
             if tls_transport is None or self._lost:
                 self._release()
@@ -432,14 +342,14 @@ class HubRequestHandler(RequestHandler):
             raise ConnectionError("client went away or response already started")
         if isinstance(exc, HttpProcessingError):
             reason = parser_reason(exc)
-            LOG.info("malformed request from %s: %s", request.remote, reason)
+            log.info("malformed request from %s: %s", request.remote, reason)
             response = json_error(status, f"bad request: {reason}")
             body_bytes = response.content_length or 0
             self._limits.metrics.observe_request(ENDPOINT_MALFORMED, str(status), 0.0, body_bytes)
             if self._limits.access_log:
                 log_access(request, "-", str(status), body_bytes, 0.0)
         else:
-            LOG.error("error answering a request from %s", request.remote, exc_info=exc)
+            log.error("error answering a request from %s", request.remote, exc_info=exc)
             response = json_error(status, "internal server error" if status >= 500 else "bad request")
         response.headers[hdrs.SERVER] = SERVER_HEADER
         response.force_close()
@@ -462,7 +372,7 @@ class HubRequestHandler(RequestHandler):
         if self._in_request or transport is None:
             return
         self._limits.metrics.header_timeouts.inc()
-        LOG.info(
+        log.info(
             "closing connection from %s: no complete request head within %g s",
             _peer(transport),
             self._limits.header_timeout_s,
@@ -488,7 +398,7 @@ def _set_send_timeout(transport: asyncio.BaseTransport, timeout_ms: int) -> None
     try:
         sock.setsockopt(socket.IPPROTO_TCP, option, timeout_ms)
     except OSError as exc:
-        LOG.debug("cannot set TCP_USER_TIMEOUT: %s", exc)
+        log.debug("cannot set TCP_USER_TIMEOUT: %s", exc)
 
 
 def _peer_address(transport: asyncio.BaseTransport) -> tuple[str, int] | None:
@@ -519,7 +429,7 @@ class AcceptErrorReporter:
         self._since_log += 1
         now = time.monotonic()
         if self._logged_at is None or now - self._logged_at >= _REFUSAL_LOG_INTERVAL_S:
-            LOG.warning(
+            log.warning(
                 "cannot accept connections: %s (%d failed accepts since the last report); "
                 "new connections wait until descriptors are free",
                 exc.strerror or exc,
