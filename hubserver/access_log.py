@@ -13,8 +13,8 @@ ACCESS_LOG: Final = logging.getLogger("hubserver.access")
 
 
 def printable(text: str, limit_chars: int = 200) -> str:
-    """``text`` made safe for one log line: control and non-printable
-    characters escaped, cut to ``limit_chars``."""
+    """`text` made safe for one log line: control and non-printable
+    characters escaped, cut to `limit_chars`."""
     if len(text) > limit_chars:
         text = text[:limit_chars] + "..."
     if text.isprintable():
@@ -31,7 +31,7 @@ REDACTED_QUERY: Final = "<query redacted>"
 
 def loggable_target(request: web.BaseRequest) -> str:
     """The request target for a log line: the path, and the query only if it is made of
-    the protocol's parameters (else REDACTED_QUERY), escaped and cut as by ``printable``."""
+    the protocol's parameters (else REDACTED_QUERY), escaped and cut as by `printable`."""
     path, sep, query = request.raw_path.partition("?")
     if sep and not _LOGGABLE_QUERY_RE.fullmatch(query):
         query = REDACTED_QUERY
@@ -42,7 +42,7 @@ def log_access(request: web.BaseRequest, identity: str, status: str, body_bytes:
     """One access-log line: client address, identity (a token's NAME, a
     client certificate's cn=..., or -), request line, status, body bytes,
     seconds. Never a token: the query is left out unless it is the protocol's (see
-    ``loggable_target``), and headers are not logged."""
+    `loggable_target`), and headers are not logged."""
     if not ACCESS_LOG.isEnabledFor(logging.INFO):
         return
     version = request.version

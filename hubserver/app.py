@@ -1,4 +1,4 @@
-"""The hub's aiohttp application: routes, middlewares, snapshot lifecycle."""
+"""`make_app(config)`: the hub's aiohttp application, with its routes, middlewares, state and cleanup."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ async def _close_checksums(app: web.Application) -> None:
 def make_app(config: HubConfig, auth: HubAuth | None = None) -> web.Application:
     """Build the hub application; the root is scanned when it starts.
 
-    ``auth`` defaults to the token files named in ``config`` (loaded now;
+    `auth` defaults to the token files named in `config` (loaded now;
     raises TokenFileError).
     """
     if auth is None:

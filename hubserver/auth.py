@@ -1,13 +1,13 @@
-"""Bearer-token authentication: token files, SIGHUP reloads, the middleware.
+"""Who a client is: the name of its bearer token (from token files reloaded on SIGHUP), or of its TLS certificate.
 
-A token file has one ``NAME:TOKEN`` per line; ``#`` starts a comment line,
+A token file has one `NAME:TOKEN` per line; `#` starts a comment line,
 blank lines are skipped. NAME identifies the client in logs; TOKEN is what
-it sends as ``Authorization: Bearer TOKEN``. Several lines are allowed so a
+it sends as `Authorization: Bearer TOKEN`. Several lines are allowed so a
 token can be rotated without downtime: add the new one, SIGHUP, move the
 clients over, remove the old one, SIGHUP.
 
 Only SHA-256 digests of the tokens are kept in memory, and a presented token
-is compared (``hmac.compare_digest``, digest against digest, so neither its
+is compared (`hmac.compare_digest`, digest against digest, so neither its
 content nor its length shows in the timing) with every configured one
 without stopping at a match. A token is never logged, and no error message
 quotes one.
@@ -128,7 +128,7 @@ def read_token_file(path: Path) -> tuple[Token, ...]:
 
 
 class TokenStore:
-    """The tokens of one token file; ``reload`` swaps them atomically."""
+    """The tokens of one token file; `reload` swaps them atomically."""
 
     def __init__(self, path: Path, tokens: tuple[Token, ...]) -> None:
         self.path = path
@@ -136,7 +136,7 @@ class TokenStore:
 
     @classmethod
     def load(cls, path: Path) -> TokenStore:
-        """Read ``path``; raises TokenFileError."""
+        """Read `path`; raises TokenFileError."""
         return cls(path, read_token_file(path))
 
     @property
@@ -149,7 +149,7 @@ class TokenStore:
         self._tokens = read_token_file(self.path)
 
     def identify(self, token: str) -> str | None:
-        """The NAME of ``token`` (a well-formed b64token), or None. Every
+        """The NAME of `token` (a well-formed b64token), or None. Every
         configured token is compared, in constant time each."""
         presented = _digest(token)
         found: str | None = None
@@ -205,7 +205,7 @@ class HubAuth:
 
 
 def bearer_token(request: web.BaseRequest) -> tuple[str | None, str]:
-    """The token of the request's ``Authorization: Bearer`` header, or None
+    """The token of the request's `Authorization: Bearer` header, or None
     and the reason (AUTH_MISSING or AUTH_MALFORMED)."""
     values = request.headers.getall(hdrs.AUTHORIZATION, [])
     if not values:
@@ -250,7 +250,7 @@ class RefusalLog:
 
 
 def client_cert_name(request: web.BaseRequest) -> str | None:
-    """``cn=<common name>`` of the client's TLS certificate (mutual TLS), or
+    """`cn=<common name>` of the client's TLS certificate (mutual TLS), or
     None without one."""
     transport = request.transport
     if transport is None:

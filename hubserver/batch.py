@@ -1,10 +1,10 @@
-"""Many small files in one answer: ``GET /v1/batch?bs={block_size}&f={id}.{v},{id}.{v},...``.
+"""Many small files in one answer: `GET /v1/batch?bs={block_size}&f={id}.{v},{id}.{v},...`.
 
 A spoke reading a tree of small files would otherwise pay one request (and
 one round trip of a WAN) per file. A batch names up to `MAX_FILES` whole
 files, each at most one block of the spoke's block size; the answer is their
 bytes back to back, in the order asked, with the xxh3-64 of each (its only
-block) in the ``Cachefs-Batch-Sums`` header. The spoke knows every size from
+block) in the `Cachefs-Batch-Sums` header. The spoke knows every size from
 the manifest, so no framing is needed.
 
 All or nothing: if any file is not the snapshot's (unknown id, other

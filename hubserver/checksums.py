@@ -1,5 +1,5 @@
-"""Block checksums: ``GET /v1/files/{id}/checksums?v=&bs=&first=&count=``, and
-in the ``Cachefs-Block-Sums`` header of ``GET /v1/files/{id}?v=&bs=``.
+"""Block checksums, computed once each: `GET /v1/files/{id}/checksums?v=&bs=&first=&count=`,
+or the `Cachefs-Block-Sums` header of `GET /v1/files/{id}?v=&bs=`.
 
 The spoke checks every block it receives against the hub's xxh3-64 of it,
 end to end. Checksums are computed when first asked for (reading the
@@ -7,10 +7,10 @@ blocks from the file the snapshot recorded) and remembered in a bounded
 LRU, so a block read by many spokes is hashed once. Measured cost: one
 read of the block from the page cache plus ~0.05 ms per MiB of hashing.
 
-A data request that names the spoke's block size (``bs``) gets the sums of
+A data request that names the spoke's block size (`bs`) gets the sums of
 the blocks its range covers whole in a header, so a small file costs one
 request instead of a data and a checksum request. The header says which
-blocks it covers (``bs=<n>; first=<block>; <hex>,<hex>...``): a cache in
+blocks it covers (`bs=<n>; first=<block>; <hex>,<hex>...`): a cache in
 between that answers from a larger aligned slice stays correct.
 
 What one request can make the hub hash is bounded: a data request no more
@@ -221,8 +221,8 @@ def whole_blocks(byte_range: tuple[int, int], size_bytes: int, block_bytes: int)
 
 
 async def file_data(request: web.Request) -> web.StreamResponse:
-    """``GET /v1/files/{id}?v=[&bs=]``: the file's bytes (handlers.file_data); with
-    ``bs``, the checksums of the blocks the range covers whole in SUMS_HEADER (so the
+    """`GET /v1/files/{id}?v=[&bs=]`: the file's bytes (handlers.file_data); with
+    `bs`, the checksums of the blocks the range covers whole in SUMS_HEADER (so the
     hub hashes no more than it sends)."""
     block_bytes = block_bytes_param(request) if "bs" in request.query else None
     response = await handlers.file_data(request)

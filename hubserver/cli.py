@@ -1,4 +1,4 @@
-"""The ``cachefs-hub`` command: argument parsing and user-facing errors."""
+"""The `cachefs-hub` command: from its options to a serving hub, with one-line errors for the user."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_listen(value: str) -> tuple[str, int]:
-    """Split ``HOST:PORT`` (``[IPV6]:PORT`` for IPv6) into host and port."""
+    """Split `HOST:PORT` (`[IPV6]:PORT` for IPv6) into host and port."""
     host, sep, port_text = value.rpartition(":")
     if not sep or not host:
         raise argparse.ArgumentTypeError(f"listen address {value!r} is not HOST:PORT")
@@ -82,7 +82,7 @@ def _positive_seconds(value: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line of ``cachefs-hub``."""
+    """The command line of `cachefs-hub`."""
     parser = _Parser(
         prog=PROG,
         description="Serve one dataset directory, read-only, to cachefs spokes over HTTP.",
@@ -319,7 +319,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 async def serve(config: HubConfig, auth: HubAuth, ssl_context: ssl.SSLContext | None, sock: socket.socket) -> int:
-    """Scan, listen on ``sock``, announce the address, serve until
+    """Scan, listen on `sock`, announce the address, serve until
     SIGTERM/SIGINT; reload the token files on SIGHUP."""
     # Imported here: aiohttp takes half a second to import, which --help and
     # the one-line usage errors have no need to wait for.
@@ -368,7 +368,7 @@ def _load_credentials(config: HubConfig) -> tuple[HubAuth, ssl.SSLContext | None
     """Read the token files and TLS files now, so that a mistake is one line
     at start and not a surprise at the first request. Raises UserError."""
     from hubserver.auth import HubAuth
-    from hubserver.server import make_ssl_context
+    from hubserver.tls import make_ssl_context
 
     try:
         return HubAuth.from_config(config), make_ssl_context(config)
@@ -385,7 +385,7 @@ def _check_installed() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``cachefs-hub``; returns the exit code."""
+    """Entry point of `cachefs-hub`; returns the exit code."""
     parser = build_parser()
     try:
         args = parser.parse_args(with_config_file(list(sys.argv[1:] if argv is None else argv), parser, "serve"))

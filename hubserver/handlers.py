@@ -1,4 +1,4 @@
-"""HTTP handlers of the hub: health, manifest, ranged file data, metrics, errors."""
+"""The hub's endpoints (health, manifest, ranged file data, metrics, rescan), answering errors as JSON."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def unavailable(record: FileRecord, exc: FileUnavailableError) -> web.Response:
 
 
 def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    """The protocol's error answer: ``{"error": "<one line>"}``."""
+    """The protocol's error answer: `{"error": "<one line>"}`."""
     one_line = " ".join(message.split())
     return web.json_response({"error": one_line}, status=status, headers=headers)
 
@@ -75,12 +75,12 @@ def check_query(request: web.Request, allowed: frozenset[str]) -> None:
 
 
 async def set_server_header(request: web.Request, response: web.StreamResponse) -> None:
-    """``on_response_prepare`` hook: name the server, not its versions."""
+    """`on_response_prepare` hook: name the server, not its versions."""
     response.headers[hdrs.SERVER] = SERVER_HEADER
 
 
 async def healthz(request: web.Request) -> web.Response:
-    """``GET /healthz``: liveness plus what the snapshot holds."""
+    """`GET /healthz`: liveness plus what the snapshot holds."""
     check_query(request, NO_QUERY)
     snapshot = request.app[SNAPSHOT_KEY].current
     return web.json_response(
@@ -94,7 +94,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def manifest(request: web.Request) -> web.StreamResponse:
-    """``GET /v1/manifest``: the snapshot as gzip NDJSON, streamed.
+    """`GET /v1/manifest`: the snapshot as gzip NDJSON, streamed.
 
     The snapshot holds its manifest gzipped (compressed once, at the scan);
     it is sent in pieces of the configured size. aiohttp's own compression
@@ -130,14 +130,14 @@ async def manifest(request: web.Request) -> web.StreamResponse:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """``GET /metrics``: this hub's metrics, Prometheus text format."""
+    """`GET /metrics`: this hub's metrics, Prometheus text format."""
     check_query(request, NO_QUERY)
     body, content_type = request.app[METRICS_KEY].exposition(request.headers.get(hdrs.ACCEPT))
     return web.Response(body=body, headers={hdrs.CONTENT_TYPE: content_type, hdrs.CACHE_CONTROL: "no-store"})
 
 
 async def rescan(request: web.Request) -> web.Response:
-    """``POST /v1/rescan``: publish a new generation now (unless one was scanned just now).
+    """`POST /v1/rescan`: publish a new generation now (unless one was scanned just now).
     A root that cannot be scanned answers 503; the current generation stays."""
     check_query(request, NO_QUERY)
     holder = request.app[SNAPSHOT_KEY]
@@ -155,7 +155,7 @@ def parse_range(header: str | None, size_bytes: int) -> tuple[int, int] | None:
 
     Returns the first and last byte (inclusive), or None without a Range
     header. Raises RangeNotSatisfiable unless the header is exactly one
-    satisfiable byte range: ``bytes=a-b``, ``bytes=a-`` or ``bytes=-n``.
+    satisfiable byte range: `bytes=a-b`, `bytes=a-` or `bytes=-n`.
     """
     if header is None:
         return None
@@ -185,7 +185,7 @@ class SnapshotFileResponse(web.StreamResponse):
     """One file of the snapshot (or a range of it), sent with sendfile from a verified
     open descriptor.
 
-    The descriptor came from ``open_unchanged``: the bytes sent are those of
+    The descriptor came from `open_unchanged`: the bytes sent are those of
     the scanned inode, nothing a path swap could substitute. Length and range
     are the snapshot's, not what a later stat says: a file that grows is sent
     no byte past the snapshot's size, and one that shrinks while it is sent
@@ -278,7 +278,7 @@ def _range_header(request: web.Request, record: FileRecord) -> str | None:
 
 
 async def file_data(request: web.Request) -> web.StreamResponse:
-    """``GET /v1/files/{id}?v={version}``: bytes of one snapshot file."""
+    """`GET /v1/files/{id}?v={version}`: bytes of one snapshot file."""
     record = _lookup(request)
     range_header = _range_header(request, record)
     snapshot = request.app[SNAPSHOT_KEY].current

@@ -2,8 +2,8 @@
 
 A snapshot is taken once, at start. Paths are handled as bytes while
 scanning, so the result does not depend on the locale; they are carried as
-``str`` decoded from UTF-8 with ``surrogateescape`` (what ``os.fsdecode``
-gives on a UTF-8 system), so ``os.fsencode`` on the client side turns them
+`str` decoded from UTF-8 with `surrogateescape` (what `os.fsdecode`
+gives on a UTF-8 system), so `os.fsencode` on the client side turns them
 back into the original bytes.
 """
 
@@ -188,9 +188,9 @@ def version_for(st: os.stat_result) -> str:
 def _json_line(obj: dict[str, object]) -> bytes:
     """One compact NDJSON line.
 
-    ``ensure_ascii=True`` writes lone surrogates (non-UTF-8 names) as
-    ``\\udcXX`` escapes, which any JSON parser accepts and Python's
-    ``json.loads`` turns back into the same ``str``.
+    `ensure_ascii=True` writes lone surrogates (non-UTF-8 names) as
+    `\\udcXX` escapes, which any JSON parser accepts and Python's
+    `json.loads` turns back into the same `str`.
     """
     text = json.dumps(obj, separators=(",", ":"), ensure_ascii=True)
     return text.encode("ascii") + b"\n"
@@ -424,7 +424,7 @@ def _make_entry(scanned: _Scanned) -> Entry:
 
 
 def scan(root: Path) -> Snapshot:
-    """Scan ``root`` into a snapshot. Blocking; raises OSError if the root
+    """Scan `root` into a snapshot. Blocking; raises OSError if the root
     itself cannot be read."""
     real_root = Path(os.path.realpath(root))
     root_bytes = os.fsencode(real_root)
@@ -495,9 +495,9 @@ def open_unchanged(snapshot: Snapshot, record: FileRecord) -> int:
     """Open a file of the snapshot read-only and return the descriptor.
 
     No symlink is followed on the way, in the last component or any directory
-    above it (``open_beneath``): what is opened lies inside the root, and a path
+    above it (`open_beneath`): what is opened lies inside the root, and a path
     swapped to lead elsewhere opens nothing there. The descriptor is then
-    checked with ``fstat``, so what it reads is the very inode that was scanned
+    checked with `fstat`, so what it reads is the very inode that was scanned
     (same device, inode, size, mtime and ctime). Raises FileChangedError
     otherwise, and FileUnavailableError if it cannot be opened for want of
     resources. Blocking.

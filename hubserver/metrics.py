@@ -1,9 +1,9 @@
-"""Every Prometheus metric of the hub: its own under the ``cachefs_hub_`` prefix,
-and the standard ``process_*`` and ``python_info``.
+"""Every Prometheus metric of the hub: its own (`cachefs_hub_` prefix) besides the standard
+`process_*` and `python_info`.
 
-Each application gets its own ``CollectorRegistry`` (never the global one),
+Each application gets its own `CollectorRegistry` (never the global one),
 so several hubs in one process (tests) keep separate counts. Labels are low
-cardinality: ``endpoint`` is a route name from ``ENDPOINTS``, never a path
+cardinality: `endpoint` is a route name from `ENDPOINTS`, never a path
 or a file id.
 """
 

@@ -55,7 +55,7 @@ def _body_bytes(request: web.Request, response: web.StreamResponse) -> int:
 
 def observe_middleware(metrics: HubMetrics, access_log: bool = True) -> Middleware:
     """The outermost middleware: sends the response, then records it (and
-    writes its access-log line if ``access_log``)."""
+    writes its access-log line if `access_log`)."""
 
     @web.middleware
     async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -150,11 +150,11 @@ def _unauthorized(reason: str) -> web.Response:
 def auth_middleware(auth: HubAuth, metrics: HubMetrics) -> Middleware:
     """The middleware that answers 401 to requests without a valid token.
 
-    /healthz is always open; /metrics needs a token of ``auth.metrics`` if
-    set; POST /v1/rescan one of ``auth.admin`` (and is refused, 403, on a hub
+    /healthz is always open; /metrics needs a token of `auth.metrics` if
+    set; POST /v1/rescan one of `auth.admin` (and is refused, 403, on a hub
     with data tokens but no admin tokens: a data token does not allow it); any
     other path (unknown ones too, so that nothing can be probed) needs a token
-    of ``auth.data`` if set. A client's 401s are logged at most once a minute
+    of `auth.data` if set. A client's 401s are logged at most once a minute
     (RefusalLog), and all counted.
     """
     refusals = RefusalLog()

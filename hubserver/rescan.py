@@ -9,7 +9,7 @@ answered with the current generation when the last scan ended less than
 `MIN_INTERVAL_S`, or `IDLE_PER_SCAN` times its own duration, ago: a client
 cannot keep the hub scanning (requests at most keep it scanning a fifth of
 the time). A root given as a symlink is resolved again at each rescan, so
-switching it to another tree (``ln -sfn v2 current``) publishes that tree.
+switching it to another tree (`ln -sfn v2 current`) publishes that tree.
 """
 
 from __future__ import annotations

@@ -1,31 +1,28 @@
-"""The HTTP layer around the application: TLS, connection limits, the
-request head timeout, the access log and per-request metrics.
+"""Each client connection around aiohttp's requests: admitted under limits, TLS, timeouts, JSON for what the parser refuses.
 
 aiohttp parses requests and bounds idle keep-alive connections itself; what
 it lacks is added here, in a subclass of its connection handler
-(``HubRequestHandler``) that the CLI's listening socket creates for every
+(`HubRequestHandler`) that the CLI's listening socket creates for every
 connection:
 
 - a cap on open connections, in all and per client address, counted when the
   TCP connection opens: beyond it a connection gets a canned 503 and is closed
   (with TLS it is closed at once, before any handshake);
 - the TLS handshake, started by the connection once it is counted, and
-  bounded by ``header_timeout_s``;
+  bounded by `header_timeout_s`;
 - a request head timeout: a connection must deliver a complete request head
-  within ``header_timeout_s`` of opening and of the first byte of each later
+  within `header_timeout_s` of opening and of the first byte of each later
   request, or it is closed (slowloris). aiohttp's own keep-alive timer only
   bounds the idle time between requests;
 - a send timeout: a client that accepts no data of a response for
-  ``send_timeout_s`` is cut off by the kernel (TCP_USER_TIMEOUT), which
+  `send_timeout_s` is cut off by the kernel (TCP_USER_TIMEOUT), which
   covers sendfile too (slow read);
 - JSON answers, without tracebacks, to requests the HTTP parser refuses.
 
-``make_observe_middleware`` is the outermost middleware: it sends the
-response itself, so that the duration and byte count it records (metrics,
-access log) cover the whole body, and tells the connection when a request
-is in progress.
+The observe middleware (middlewares.py) tells the connection when a request
+is in progress. The subclass is why pyproject.toml keeps aiohttp below its
+next minor version.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -51,7 +48,6 @@ from aiohttp.web_protocol import RequestHandler
 from hubserver.access_log import log_access
 from hubserver.clients import client_of
 from hubserver.config import HubConfig
-from hubserver.errors import TLSConfigError
 from hubserver.handlers import SERVER_HEADER, json_error
 from hubserver.metrics import ENDPOINT_MALFORMED, HubMetrics
 
@@ -73,46 +69,8 @@ _REFUSAL_RESPONSE: Final = (
 )
 
 
-def _ssl_reason(exc: BaseException) -> str:
-    if isinstance(exc, ssl.SSLError):
-        return exc.reason or str(exc)
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    return str(exc)
-
-
-def _no_password() -> bytes:
-    raise TLSConfigError("the key is encrypted; give an unencrypted key (readable by the hub only)")
-
-
-def make_ssl_context(config: HubConfig) -> ssl.SSLContext | None:
-    """The server's TLS context (TLS 1.2 or newer, HTTP/1.1 only), None
-    without --tls-cert. With --tls-client-ca every client must present a
-    certificate that CA signed. Raises TLSConfigError."""
-    if config.tls_cert is None or config.tls_key is None:
-        return None
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.set_alpn_protocols(["http/1.1"])
-    try:
-        context.load_cert_chain(config.tls_cert, config.tls_key, password=_no_password)
-    except TLSConfigError as exc:
-        raise TLSConfigError(f"--tls-key {config.tls_key}: {exc}") from None
-    except (OSError, ValueError) as exc:
-        raise TLSConfigError(
-            f"cannot load --tls-cert {config.tls_cert} with --tls-key {config.tls_key}: {_ssl_reason(exc)}"
-        ) from None
-    if config.tls_client_ca is not None:
-        try:
-            context.load_verify_locations(cafile=config.tls_client_ca)
-        except (OSError, ValueError) as exc:
-            raise TLSConfigError(f"cannot load --tls-client-ca {config.tls_client_ca}: {_ssl_reason(exc)}") from None
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context
-
-
 def handler_options(config: HubConfig) -> dict[str, Any]:
-    """Keyword arguments of aiohttp's connection handler for ``config``."""
+    """Keyword arguments of aiohttp's connection handler for `config`."""
     return {
         "keepalive_timeout": config.keepalive_timeout_s,
         "max_line_size": config.max_request_line_bytes,
@@ -390,7 +348,7 @@ class HubRequestHandler(RequestHandler):
 
 def _set_send_timeout(transport: asyncio.BaseTransport, timeout_ms: int) -> None:
     """Have the kernel abort the connection once sent data stays
-    unacknowledged (or the peer's window stays shut) for ``timeout_ms``."""
+    unacknowledged (or the peer's window stays shut) for `timeout_ms`."""
     option = getattr(socket, "TCP_USER_TIMEOUT", None)
     sock = transport.get_extra_info("socket")
     if option is None or sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
@@ -446,8 +404,8 @@ async def start_server(
     sock: Any,
     ssl_context: ssl.SSLContext | None,
 ) -> asyncio.Server:
-    """Listen on ``sock`` with a HubRequestHandler per connection. The
-    caller closes the returned server before ``runner.cleanup()``, which
+    """Listen on `sock` with a HubRequestHandler per connection. The
+    caller closes the returned server before `runner.cleanup()`, which
     then shuts the open connections down."""
     server = runner.server
     assert server is not None, "runner.setup() first"
