@@ -14,7 +14,6 @@ from hubserver import batch, checksums, handlers, middlewares, rescan
 from hubserver.auth import HubAuth
 from hubserver.config import HubConfig
 from hubserver.handlers import MANIFEST_CHUNK_BYTES_KEY, METRICS_KEY
-from hubserver.manifest import scan
 from hubserver.metrics import (
     ENDPOINT_BATCH,
     ENDPOINT_CHECKSUMS,
@@ -26,6 +25,7 @@ from hubserver.metrics import (
     HubMetrics,
 )
 from hubserver.rescan import SNAPSHOT_KEY
+from hubserver.scan import scan
 
 log = logging.getLogger(__name__)
 

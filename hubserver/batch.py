@@ -36,10 +36,11 @@ from hubserver.checksums import block_bytes_param
 from hubserver.clients import request_client
 from hubserver.errors import FileChangedError, FileUnavailableError, HubHTTPError, NotInSnapshotError
 from hubserver.fairness import PerClientTurns
+from hubserver.files import open_unchanged, read_block
 from hubserver.handlers import IMMUTABLE_CACHE_CONTROL, check_query, json_error, send_file_range
-from hubserver.manifest import FileRecord, Snapshot, open_unchanged, read_block
 from hubserver.metrics import ENDPOINT_BATCH
 from hubserver.rescan import SNAPSHOT_KEY
+from hubserver.snapshot import FileRecord, Snapshot
 
 log = logging.getLogger(__name__)
 

@@ -39,10 +39,11 @@ from hubserver import handlers
 from hubserver.clients import request_client
 from hubserver.errors import FileChangedError, FileUnavailableError, HubHTTPError, RequestAbandoned
 from hubserver.fairness import PerClientTurns
+from hubserver.files import check_unchanged, open_unchanged, read_block
 from hubserver.handlers import json_error, unavailable
-from hubserver.manifest import FileRecord, Snapshot, check_unchanged, open_unchanged, read_block
 from hubserver.metrics import ENDPOINT_CHECKSUMS, ENDPOINT_FILES
 from hubserver.rescan import SNAPSHOT_KEY
+from hubserver.snapshot import FileRecord, Snapshot
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,10 @@ from aiohttp.abc import AbstractStreamWriter
 
 from hubserver.access_log import printable
 from hubserver.errors import FileChangedError, FileUnavailableError, HubHTTPError, RangeNotSatisfiable
-from hubserver.manifest import FileRecord, open_unchanged
+from hubserver.files import open_unchanged
 from hubserver.metrics import ENDPOINT_OTHER, ENDPOINTS, HubMetrics
 from hubserver.rescan import SNAPSHOT_KEY
+from hubserver.snapshot import FileRecord
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,9 @@ from typing import Final
 
 from aiohttp import web
 
-from hubserver.manifest import Snapshot, scan
 from hubserver.metrics import HubMetrics
+from hubserver.scan import scan
+from hubserver.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from cachefs.config import parse_hub_url
 from cachefs.hub_client import HubClient
 from hubserver.checksums import ChecksumCache, SumsAsked
 from hubserver.errors import RequestAbandoned
-from hubserver.manifest import scan
+from hubserver.scan import scan
 
 KiB = 1024
 
