@@ -54,8 +54,9 @@ def _body_bytes(request: web.Request, response: web.StreamResponse) -> int:
 
 
 def observe_middleware(metrics: HubMetrics, access_log: bool = True) -> Middleware:
-    """The outermost middleware: sends the response, then records it (and
-    writes its access-log line if `access_log`)."""
+    """The outermost middleware: sends the response itself, so that the duration and byte
+    count it records (metrics, and the access-log line if `access_log`) cover the whole body;
+    tells the connection when a request is in progress (its request head timeout)."""
 
     @web.middleware
     async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
