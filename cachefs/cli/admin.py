@@ -189,6 +189,10 @@ def _stats(args: argparse.Namespace) -> int:
         ("evicted blocks", str(stats["evicted_blocks"])),
         ("not admitted", str(stats["rejected_blocks"])),
     ]
+    if stats.get("tier_requests"):  # mounted with --tier
+        answered, failed = stats["tier_requests"], stats["tier_failovers"]
+        rows.append(("tier requests", ", ".join(f"{node} {count}" for node, count in answered.items())))
+        rows.append(("tier failovers", ", ".join(f"{node} {count}" for node, count in failed.items())))
     for name, used in sorted(stats.get("usage_by_top_level_bytes", {}).items()):
         rows.append((f"  {name}/", format_size(used)))
     training = stats.get("training")
