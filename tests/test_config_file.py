@@ -57,7 +57,7 @@ def test_hub_config_file_options_apply(dataset: Path, tmp_path: Path) -> None:
 
 
 def test_a_list_in_a_config_file_gives_its_option_once_per_item(tmp_path: Path) -> None:
-    from cachefs.cli import build_parser
+    from cachefs.cli.commands import build_parser
     from cachefs.config_file import with_config_file
 
     config = tmp_path / "cachefs.toml"
