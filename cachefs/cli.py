@@ -92,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="let the kernel read whole, verified cached files straight from the cache (FUSE passthrough: local disk "
         "speed, but without a checksum check per read); default: the daemon serves and checks every read",
     )
+    mount.add_argument(
+        "--nfs-export", action="store_true",
+        help="for a mount served over NFS (`cachefs export`): a file changed by a refresh gets new file handles, its "
+        "old ones answer ESTALE; default: files open before a refresh keep reading their version",
+    )
     mount.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground and log to stderr")
     mount.add_argument("--debug", action="store_true", help="verbose logging")
     mount.add_argument(
@@ -181,6 +186,7 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
         client_key=args.tls_key,
         fetch_timeout_s=args.fetch_timeout,
         allow_other=args.allow_other,
+        nfs_export=args.nfs_export,
         passthrough=args.passthrough,
         foreground=args.foreground,
         debug=args.debug,

@@ -184,5 +184,10 @@ class MountConfig:
     # mounting user (and root) can; the hub's file modes are enforced either
     # way (default_permissions).
     allow_other: bool = False
+    # A file changed by a refresh gets a new FUSE generation, so file handles
+    # of its old version (what an NFS server hands out) answer ESTALE rather
+    # than read on in that version beside new attributes. Off: a handle opened
+    # before a refresh keeps reading its version (an NFS server's cached one too).
+    nfs_export: bool = False
     foreground: bool = False
     debug: bool = False

@@ -213,6 +213,7 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
                 uid=os.getuid(),
                 gid=os.getgid(),
                 attr_timeout_s=config.attr_timeout_s,
+                version_generations=config.nfs_export,
                 stats_json=lambda: {"pid": os.getpid(), **admin.snapshot()},
             )
             snapshots.open_versions = operations.open_versions
