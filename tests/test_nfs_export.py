@@ -10,13 +10,15 @@ import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
 from conftest import SPOKE_ARGS
 from dataset import source_files
-from hub_helpers import HubProcess, running_hub, sample, scrape_metrics
-from mount_helpers import mount_spoke, mounted_spoke, run_cachefs
+from hub_helpers import REPO_ROOT, HubProcess, running_hub, sample, scrape_metrics
+from mount_helpers import SpokeMount, mount_spoke, mounted_spoke, run_cachefs
 from nfs_helpers import idle_nfs_client, nfs_namespace
 
 # allow_other: Ganesha reads as each client's user. No sibling prefetch: a read
@@ -175,3 +177,40 @@ def test_kernel_file_handles_of_the_mount_survive_a_spoke_restart(dataset: Path,
             assert exc.errno == errno.ESTALE
     finally:
         spoke.unmount()
+
+
+def test_export_refuses_what_it_cannot_serve_with_one_line(spoke: SpokeMount, tmp_path: Path) -> None:
+    """Not a cachefs mount, a mount without --allow-other (Ganesha reads as each client's
+    user), a client that is no address: one line each, no traceback, nothing started."""
+    cases = [
+        ([str(tmp_path), "--clients", "*"], "is not mounted"),
+        ([str(spoke.mountpoint), "--clients", "*"], "without --allow-other"),
+    ]
+    for args, message in cases:
+        result = run_cachefs("export", *args)
+        assert result.returncode == 1 and message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    with mounted_spoke(spoke_url(spoke), tmp_path, NFS_SPOKE_ARGS, name="exported") as exported:
+        result = run_cachefs("export", exported.mountpoint, "--clients", "10.0.0.0/8,node-7")
+        assert result.returncode == 1 and "invalid client 'node-7'" in result.stderr, result.stderr
+        result = run_cachefs("export", exported.mountpoint, "--clients", "10.0.0.0/8", "--pseudo", "/data")
+        assert result.returncode == 0, result.stderr
+        assert f'Path = "{exported.mountpoint}";' in result.stdout and 'Pseudo = "/data";' in result.stdout
+        assert "CLIENT { Clients = 10.0.0.0/8; Access_Type = RO; }" in result.stdout
+
+
+def spoke_url(spoke: SpokeMount) -> str:
+    return str(spoke.stats()["hub_url"])
+
+
+def test_systemd_unit_of_the_export_verifies_clean(tmp_path: Path) -> None:
+    """systemd/cachefs-nfs@.service, beside the mount's unit it binds to, passes systemd-analyze verify."""
+    cachefs = str(Path(sys.executable).parent / "cachefs")
+    assert os.path.exists(cachefs), "cachefs is not installed in this environment (pip install -e .)"
+    for unit in ("cachefs@.service", "cachefs-nfs@.service"):
+        text = (REPO_ROOT / "systemd" / unit).read_text().replace("/usr/local/bin/cachefs", cachefs)
+        (tmp_path / unit).write_text(text)
+    result = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", str(tmp_path / "cachefs-nfs@mnt-data.service")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0 and result.stderr.strip() == "", result.stderr
