@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config curl patch nginx prometheus
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config curl patch nginx prometheus nfs-ganesha nfs-ganesha-vfs rpcbind libnfs-utils
 STAMP  := $(VENV)/.installed
 
 .PHONY: all setup system-packages demo test bench lint clean
