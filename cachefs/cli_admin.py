@@ -13,7 +13,17 @@ from typing import Any
 from . import control
 from .config import format_size
 from .errors import CachefsError, UsageError
-from .export import SQUASH_MODES, ExportConfig, check_exportable, ganesha_command, ganesha_config, parse_clients, parse_protocols
+from .export import (
+    SQUASH_MODES,
+    ExportConfig,
+    build_fsid_shim,
+    check_exportable,
+    ganesha_command,
+    ganesha_config,
+    ganesha_environment,
+    parse_clients,
+    parse_protocols,
+)
 from .mountpoints import FSTYPE, find_mount, list_mounts
 
 STATS_XATTR = "user.cachefs.stats"
@@ -61,6 +71,11 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
         help="NFSv4 client records and the written config (default: /var/lib/cachefs/nfs)",
     )
     export.add_argument("--run", action="store_true", help="write the config into --state-dir and run Ganesha in the foreground")
+    export.add_argument(
+        "--no-stable-handles", action="store_true",
+        help="with --run: do not build and preload the shim that keeps NFS handles valid across a remount of the "
+        "spoke (it needs a C compiler)",
+    )
 
     stats = commands.add_parser("stats", help="show cache statistics of a mount")
     stats.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path)
@@ -327,5 +342,6 @@ def _export(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UsageError(f"cannot write the config into {config.state_dir}: {exc.strerror}") from None
     command = ganesha_command(config_file, config.state_dir / "ganesha.pid")
+    shim = None if args.no_stable_handles else build_fsid_shim(config.state_dir)
     print(f"cachefs: exporting {mountpoint} read-only over NFSv{'/v'.join(map(str, config.protocols))}", file=sys.stderr)
-    os.execv(command[0], command)
+    os.execve(command[0], command, ganesha_environment(mountpoint, shim))

@@ -3,6 +3,9 @@
 Ganesha's VFS backend serves the mount through the kernel's file handles
 (name_to_handle_at/open_by_handle_at), which FUSE supports because the spoke
 answers lookups of "." and ".." and its inode numbers are hashes of the path.
+Run by `cachefs export --run`, Ganesha gets ganesha_fsid.c preloaded, so its
+handles name the mount by a fixed id rather than by its device number, and
+survive a remount of the spoke.
 """
 
 from __future__ import annotations
@@ -11,12 +14,17 @@ import dataclasses
 import ipaddress
 import os
 import shutil
+import subprocess
 from pathlib import Path
+
+import xxhash
 
 from .errors import UsageError
 from .mountpoints import FSTYPE, find_mount
 
 GANESHA = "ganesha.nfsd"
+FSID_SHIM_SOURCE = Path(__file__).with_name("ganesha_fsid.c")
+FSID_SHIM = "ganesha-fsid.so"
 PROTOCOLS = (3, 4)
 SQUASH_MODES = ("root_squash", "all_squash", "no_root_squash")
 
@@ -159,3 +167,44 @@ def ganesha_command(config_file: Path, pid_file: Path) -> list[str]:
     if binary is None:
         raise UsageError(f"{GANESHA} not found: install NFS-Ganesha (Debian: nfs-ganesha nfs-ganesha-vfs)")
     return [binary, "-F", "-f", str(config_file), "-L", "STDERR", "-p", str(pid_file)]
+
+
+def export_fsid(mountpoint: Path) -> str:
+    """The file system id Ganesha's handles carry for this mount: 16 hex digits, the same
+    for every mount on the path."""
+    return xxhash.xxh3_64_hexdigest(os.fsencode(os.path.abspath(mountpoint)))
+
+
+def build_fsid_shim(directory: Path) -> Path:
+    """ganesha_fsid.c compiled into `directory` (kept while the source is unchanged)."""
+    target = directory / FSID_SHIM
+    if target.exists() and target.stat().st_mtime >= FSID_SHIM_SOURCE.stat().st_mtime:
+        return target
+    compiler = shutil.which("cc")
+    if compiler is None:
+        raise UsageError(
+            "no C compiler (cc) to build the file system id shim: install gcc, or pass --no-stable-handles "
+            "(NFS handles then go stale whenever the spoke remounts)"
+        )
+    partial = directory / f".{FSID_SHIM}.{os.getpid()}"
+    result = subprocess.run(
+        [compiler, "-shared", "-fPIC", "-O2", "-o", str(partial), str(FSID_SHIM_SOURCE), "-ldl"],
+        capture_output=True, text=True, timeout=120,
+    )
+    if result.returncode != 0:
+        partial.unlink(missing_ok=True)
+        first_line = (result.stderr.strip().splitlines() or ["no output"])[0]
+        raise UsageError(f"cannot build the file system id shim with {compiler}: {first_line}")
+    os.replace(partial, target)
+    return target
+
+
+def ganesha_environment(mountpoint: Path, shim: Path | None) -> dict[str, str]:
+    """Ganesha's environment: this one, plus the preloaded shim and the mount's fixed id."""
+    environment = dict(os.environ)
+    if shim is not None:
+        preload = environment.get("LD_PRELOAD")
+        environment["LD_PRELOAD"] = f"{shim}:{preload}" if preload else str(shim)
+        environment["CACHEFS_NFS_MOUNT"] = os.path.abspath(mountpoint)
+        environment["CACHEFS_NFS_FSID"] = export_fsid(mountpoint)
+    return environment

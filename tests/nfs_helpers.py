@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -31,6 +32,13 @@ START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 15.0
 READY_LINE = "NFS SERVER INITIALIZED"
 NFS_CLIENT = Path(__file__).with_name("nfs_client.py")
+# A new mount namespace copies every mount, and a FUSE mount copied there stays alive
+# (its daemon waiting) after the original is unmounted: drop the copies of FUSE
+# mounts, all but the one given (shell; /proc/self/mounts escapes spaces as \040).
+DETACH_FUSE_MOUNTS = (
+    "detach() { awk '$3 ~ /^fuse/ {print $2}' /proc/self/mounts | while read -r m; do"
+    ' m=$(printf %b "$m"); [ "$m" = "$1" ] || umount -l "$m"; done; }; detach'
+)
 
 
 class NfsNamespace:
@@ -39,7 +47,10 @@ class NfsNamespace:
     def __init__(self, workdir: Path) -> None:
         self._workdir = workdir
         self._ganesha: list[subprocess.Popen[bytes]] = []
-        script = "ip link set lo up && mount -t tmpfs -o mode=0755 tmpfs /run && mkdir /run/rpcbind && exec rpcbind -f"
+        script = (
+            f"{DETACH_FUSE_MOUNTS} && ip link set lo up && mount -t tmpfs -o mode=0755 tmpfs /run"
+            " && mkdir /run/rpcbind && exec rpcbind -f"
+        )
         # unshare and sh exec into rpcbind: this pid is the namespace's holder.
         self._holder = subprocess.Popen(
             ["unshare", "--net", "--mount", "--propagation", "private", "sh", "-c", script],
@@ -66,7 +77,8 @@ class NfsNamespace:
             sys.executable, "-m", "cachefs", "export", str(mountpoint), "--clients", "127.0.0.1",
             "--grace-period", "0", "--state-dir", str(state_dir), "--run", *export_args,
         ]
-        inner = f"mount --bind /proc/{self._holder.pid}/root/run /run && exec \"$@\""
+        keep = shlex.quote(os.path.abspath(mountpoint))
+        inner = f"{DETACH_FUSE_MOUNTS} {keep} && mount --bind /proc/{self._holder.pid}/root/run /run && exec \"$@\""
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
                 self.command(["unshare", "--mount", "--propagation", "private", "sh", "-c", inner, "sh", *export]),

@@ -3,6 +3,7 @@ user-space NFS client (libnfs: nfs-ls, nfs-cat and tests/nfs_client.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -13,6 +14,7 @@ import stat
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from conftest import SPOKE_ARGS
@@ -121,6 +123,50 @@ def test_idle_nfs_handles_survive_a_server_restart_and_only_removed_files_turn_s
             result = ns.run(["nfs-cat", f"nfs://127.0.0.1{spoke.mountpoint}/{changed}?version=3"])
             assert result.stdout == new_bytes, result.stderr
             assert client.read(handles[kept], 0, 4096) == kept_bytes[:4096]
+
+
+@contextlib.contextmanager
+def _holding_device_number(device: int, workdir: Path) -> Iterator[None]:
+    """tmpfs mounts until one has `device` (the kernel hands out the lowest free
+    anonymous device number), unmounted after the block."""
+    mounts: list[Path] = []
+    try:
+        for index in range(64):
+            path = workdir / f"tmpfs-{index}"
+            path.mkdir()
+            subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(path)], check=True)
+            mounts.append(path)
+            if os.stat(path).st_dev == device:
+                break
+        else:
+            raise AssertionError(f"no new mount took device number {device}")
+        yield
+    finally:
+        for path in mounts:
+            subprocess.run(["umount", str(path)], check=False)
+
+
+def test_idle_nfs_handles_survive_a_spoke_restart_on_a_new_device_number(dataset: Path, hub: HubProcess, tmp_path: Path) -> None:
+    """The spoke unmounts and mounts again (same cache dir) while an NFSv3 client holds a
+    file's handle and the export's root handle; the new mount gets another device number
+    (the old one is taken meanwhile). After Ganesha restarts on it, the handles work."""
+    kept = "shards/shard-001.bin"
+    kept_bytes = (dataset / kept).read_bytes()
+    with mounted_spoke(hub.url, tmp_path, NFS_SPOKE_ARGS) as spoke, nfs_namespace(tmp_path) as ns:
+        server = ns.start_ganesha(spoke.mountpoint)
+        with idle_nfs_client(ns, str(spoke.mountpoint), version=3) as client:
+            file = client.open("/" + kept)
+            assert client.read(file, 0, 4096) == kept_bytes[:4096]
+            device = os.stat(spoke.mountpoint).st_dev
+            ns.stop_ganesha(server)
+            spoke.unmount()
+            with _holding_device_number(device, tmp_path):
+                spoke = mount_spoke(hub.url, spoke.mountpoint, spoke.cache_dir, NFS_SPOKE_ARGS)
+            assert os.stat(spoke.mountpoint).st_dev != device
+            ns.start_ganesha(spoke.mountpoint)
+            assert client.size(file) == len(kept_bytes)
+            assert client.read(file, 1 << 20, 4096) == kept_bytes[1 << 20 : (1 << 20) + 4096]
+            assert client.ask(op="sha256", path="/a/b/c/d/leaf.txt")["ok"]  # looked up from the root's handle
 
 
 class _FileHandle(ctypes.Structure):
