@@ -148,6 +148,8 @@ def ganesha_config(config: ExportConfig) -> str:
     ]
     return "\n".join([
         "# Written by `cachefs export`: a read-only NFS export of a cachefs mount.",
+        f"# For handles that survive a remount, Ganesha runs with LD_PRELOAD=ganesha-fsid.so,"
+        f" CACHEFS_NFS_MOUNT={path} and CACHEFS_NFS_FSID={export_fsid(Path(path))} (cachefs export --run does).",
         _block("NFS_CORE_PARAM", core),
         _block("NFSV4", nfsv4),
         _block("NFS_KRB5", ["Active_krb5 = false;"]),
