@@ -67,8 +67,10 @@ def test_the_export_serves_the_hubs_tree_and_every_byte(dataset: Path, hub: HubP
 
 
 def test_an_uncached_file_read_over_nfs_crosses_from_the_hub_once(dataset: Path, hub: HubProcess, tmp_path: Path) -> None:
-    """Two NFS reads of a file the cache does not hold: the hub sends its bytes once."""
-    relative = "shards/shard-000.bin"
+    """Two NFS reads of a file the cache does not hold: the hub sends its bytes once.
+    (A file followed by a small one: near the end of a large file, read-ahead asks
+    for the head of the next large file, which the hub would send too.)"""
+    relative = "shards/shard-001.bin"
     expected = (dataset / relative).read_bytes()
     with mounted_spoke(hub.url, tmp_path, NFS_SPOKE_ARGS) as spoke, nfs_namespace(tmp_path) as ns:
         ns.start_ganesha(spoke.mountpoint)
