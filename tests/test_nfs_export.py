@@ -13,6 +13,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -128,24 +129,30 @@ def test_idle_nfs_handles_survive_a_server_restart_and_only_removed_files_turn_s
 
 
 @contextlib.contextmanager
-def _holding_device_number(device: int, workdir: Path) -> Iterator[None]:
-    """tmpfs mounts until one has `device` (the kernel hands out the lowest free
-    anonymous device number), unmounted after the block."""
+def _holding_device_number(device: int, workdir: Path, timeout_s: float = 20.0) -> Iterator[None]:
+    """tmpfs mounts until one has `device` (the kernel hands out the lowest free anonymous
+    device number; an unmounted file system may free its number a little later),
+    unmounted after the block."""
     mounts: list[Path] = []
+    deadline = time.monotonic() + timeout_s
     try:
-        for index in range(64):
-            path = workdir / f"tmpfs-{index}"
-            path.mkdir()
+        while not mounts or os.stat(mounts[-1]).st_dev != device:
+            if len(mounts) == 64:  # numbers below it are free again, or it is not yet
+                assert time.monotonic() < deadline, f"no new mount took device number {device}"
+                _unmount_all(mounts)
+                time.sleep(0.2)
+            path = workdir / f"tmpfs-{len(mounts)}"
+            path.mkdir(exist_ok=True)
             subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(path)], check=True)
             mounts.append(path)
-            if os.stat(path).st_dev == device:
-                break
-        else:
-            raise AssertionError(f"no new mount took device number {device}")
         yield
     finally:
-        for path in mounts:
-            subprocess.run(["umount", str(path)], check=False)
+        _unmount_all(mounts)
+
+
+def _unmount_all(mounts: list[Path]) -> None:
+    while mounts:
+        subprocess.run(["umount", str(mounts.pop())], check=False)
 
 
 def test_idle_nfs_handles_survive_a_spoke_restart_on_a_new_device_number(dataset: Path, hub: HubProcess, tmp_path: Path) -> None:
