@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import sys
@@ -316,6 +317,11 @@ def _export(args: argparse.Namespace) -> int:
     for option, port in (("--nfs-port", args.nfs_port), ("--mount-port", args.mount_port)):
         if not 0 < port < 65536:
             raise UsageError(f"invalid {option} {port}: 1 to 65535")
+    if args.bind is not None:
+        try:
+            ipaddress.ip_address(args.bind)
+        except ValueError:
+            raise UsageError(f"invalid --bind {args.bind!r}: an IP address") from None
     if not 0 <= args.grace_period <= 3600 or not 0 < args.export_id < 65536:
         raise UsageError("--grace-period is 0 to 3600 seconds, --export-id 1 to 65535")
     config = ExportConfig(

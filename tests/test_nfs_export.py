@@ -247,6 +247,8 @@ def test_export_refuses_what_it_cannot_serve_with_one_line(spoke: SpokeMount, tm
     with mounted_spoke(spoke_url(spoke), tmp_path, NFS_SPOKE_ARGS, name="exported") as exported:
         result = run_cachefs("export", exported.mountpoint, "--clients", "10.0.0.0/8,node-7")
         assert result.returncode == 1 and "invalid client 'node-7'" in result.stderr, result.stderr
+        result = run_cachefs("export", exported.mountpoint, "--clients", "*", "--bind", "0.0.0.0; }")
+        assert result.returncode == 1 and "invalid --bind" in result.stderr, result.stderr
         result = run_cachefs("export", exported.mountpoint, "--clients", "10.0.0.0/8", "--pseudo", "/data")
         assert result.returncode == 0, result.stderr
         assert f'Path = "{exported.mountpoint}";' in result.stdout and 'Pseudo = "/data";' in result.stdout
