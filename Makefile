@@ -7,8 +7,9 @@ BIN    := $(VENV)/bin
 # What a spoke builds pyfuse3 with, and the demo runs: FUSE, a compiler, venv.
 DEMO_PACKAGES := fuse3 libfuse3-dev pkg-config build-essential python3-venv python3-dev
 # The tests' tools besides: the passthrough build (patch), the bench's link probe (curl),
-# the regional cache tier (nginx), promtool (prometheus), the walkthrough's TLS files and loopback (openssl, iproute2).
-TEST_PACKAGES := $(DEMO_PACKAGES) patch curl nginx prometheus openssl iproute2
+# the regional cache tier (nginx), promtool (prometheus), the walkthrough's TLS files and loopback (openssl, iproute2),
+# the NFS export (NFS-Ganesha with its VFS backend, rpcbind for NFSv3, libnfs's user-space client).
+TEST_PACKAGES := $(DEMO_PACKAGES) patch curl nginx prometheus openssl iproute2 nfs-ganesha nfs-ganesha-vfs rpcbind libnfs-utils
 STAMP      := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.test-installed
 

@@ -264,6 +264,11 @@ class MountConfig:
     gid: int | None = None
     file_mode: int | None = None
     dir_mode: int | None = None
+    # A file changed by a refresh gets a new FUSE generation, so file handles
+    # of its old version (what an NFS server hands out) answer ESTALE rather
+    # than read on in that version beside new attributes. Off: a handle opened
+    # before a refresh keeps reading its version (an NFS server's cached one too).
+    nfs_export: bool = False
     foreground: bool = False
     debug: bool = False
 

@@ -218,6 +218,7 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
                     dir_mode=config.dir_mode,
                 ),
                 attr_timeout_s=config.attr_timeout_s,
+                version_generations=config.nfs_export,
                 stats_json=lambda: {"pid": os.getpid(), **admin.snapshot()},
             )
             control = ControlServer(admin.handlers(), {"plan": planner.handle_plan})

@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="let the kernel read whole, verified cached files straight from the cache (FUSE passthrough: local disk "
         "speed, but without a checksum check per read); default: the daemon serves and checks every read",
     )
+    mount.add_argument(
+        "--nfs-export", action="store_true",
+        help="for a mount served over NFS (`cachefs export`): a file changed by a refresh gets new file handles, its "
+        "old ones answer ESTALE; default: files open before a refresh keep reading their version",
+    )
     mount.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground and log to stderr")
     mount.add_argument("--debug", action="store_true", help="verbose logging")
     mount.add_argument(
@@ -219,6 +224,7 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
         gid=parse_group(args.gid) if args.gid is not None else None,
         file_mode=parse_mode(args.file_mode) if args.file_mode is not None else None,
         dir_mode=parse_mode(args.dir_mode) if args.dir_mode is not None else None,
+        nfs_export=args.nfs_export,
         passthrough=args.passthrough,
         foreground=args.foreground,
         debug=args.debug,
