@@ -149,7 +149,7 @@ def side_by_side_section(scenarios: list[dict[str, Any]]) -> str:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    """The report printed on stdout and meant for the README."""
+    """The report printed on stdout and meant for docs/performance.md."""
     spec = results["dataset"]
     checkout = results.get("checkout") or {}
     code = f"at {checkout['head']}" if checkout else "checkout unknown"

@@ -64,7 +64,7 @@ class Link:
 
 
 # One warm run with the kernel reading verified cached files directly (FUSE
-# passthrough, README), on this link: warm reads fetch nothing, so one link shows it.
+# passthrough, docs/usage.md), on this link: warm reads fetch nothing, so one link shows it.
 PASSTHROUGH_LINK = "capped"
 PASSTHROUGH_ARGS = ("--passthrough",)
 VERIFY_TIMEOUT_S = 120.0

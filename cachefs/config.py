@@ -99,6 +99,24 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def parse_tier(urls: list[str] | None, hub_url: HubURL) -> tuple[HubURL, ...]:
+    """The --tier nodes, in order (their positions decide which node owns which slice)."""
+    nodes = tuple(parse_hub_url(url) for url in urls or ())
+    for index, node in enumerate(nodes):
+        if node in nodes[:index]:
+            raise UsageError(f"--tier {node} is given twice: each node once, in the same order on every spoke")
+        if node == hub_url:
+            raise UsageError(f"--tier {node} is the hub itself: name the regional cache nodes in front of it")
+    return nodes
+
+
+def validate_tier_slice(size_bytes: int) -> int:
+    """nginx slices for the tier: powers of two from 64 KiB to 64 MiB, like blocks."""
+    if size_bytes < 64 * KiB or size_bytes > 64 * MiB or size_bytes & (size_bytes - 1):
+        raise UsageError(f"invalid --tier-slice {size_bytes}: must be a power of two from 64K to 64M (nginx `slice`)")
+    return size_bytes
+
+
 def validate_block_size(size_bytes: int) -> int:
     """Block sizes are powers of two from 64 KiB to 64 MiB."""
     if size_bytes < 64 * KiB or size_bytes > 64 * MiB or size_bytes & (size_bytes - 1):
@@ -165,7 +183,7 @@ class MountConfig:
     # 1 MiB: the kernel's largest FUSE read request, so one cached block serves
     # one request; large enough that a 60 ms RTT link moves ~17 MB per round
     # trip and connection, small enough that a random 16 KiB sample fetches
-    # little waste. See README "Block size" for the measurement.
+    # little waste. See docs/usage.md "Block size" for the measurement.
     block_size_bytes: int = 1 * MiB
     # Concurrent HTTP connections to the hub: HTTP/1.1 carries one request at a
     # time per connection, so many small files need many (docs/performance.md).
@@ -208,7 +226,7 @@ class MountConfig:
     # cache's data files (FUSE passthrough; Linux >= 6.9, root, the pyfuse3
     # of scripts/install_passthrough_fuse.sh). Off by default: those reads are
     # not checked against the block checksums, so a data file changed on disk
-    # after its verification would be served as it is (README).
+    # after its verification would be served as it is (docs/usage.md).
     passthrough: bool = False
     # Poll the hub for a new generation every this many seconds and move to
     # it; None: only on `cachefs refresh` (a job sees one snapshot), or once
@@ -218,6 +236,13 @@ class MountConfig:
     # hub's new manifest before mounting on the stored one (and loading the
     # new one in the background). A slow link must not outlast the mount.
     manifest_wait_s: float = 60.0
+    # A regional tier of nginx caches (deploy/nginx/regional-cache.conf on
+    # each) that file data and checksums come through, each slice from the
+    # node that owns it (fetch/tier_client.py); empty: straight from the hub.
+    tier_urls: tuple[HubURL, ...] = ()
+    # The nodes' nginx `slice` size: a slice asked of two nodes would cross
+    # the WAN twice. 1 MiB: the shipped config's `slice 1m`.
+    tier_slice_bytes: int = 1 * MiB
     # Bearer token for the hub, read from a file (never from the command line).
     token: str | None = dataclasses.field(default=None, repr=False)
     # TLS: CA bundle to verify the hub with (None: the system CAs) and an
@@ -239,6 +264,11 @@ class MountConfig:
     gid: int | None = None
     file_mode: int | None = None
     dir_mode: int | None = None
+    # A file changed by a refresh gets a new FUSE generation, so file handles
+    # of its old version (what an NFS server hands out) answer ESTALE rather
+    # than read on in that version beside new attributes. Off: a handle opened
+    # before a refresh keeps reading its version (an NFS server's cached one too).
+    nfs_export: bool = False
     foreground: bool = False
     debug: bool = False
 

@@ -50,6 +50,9 @@ def options_from_file(path: Path, parser: argparse.ArgumentParser) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if value is True:
             options.append(flag)
+        elif isinstance(value, list):  # an option given once per item (tier = ["http://a", "http://b"])
+            for item in value:
+                options += [flag, str(item)]
         elif value is not False:
             options += [flag, str(value)]
     return options

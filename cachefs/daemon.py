@@ -31,6 +31,7 @@ from .db import IndexDb, NamespaceDb, get_meta, open_cache_databases, put_meta
 from .errors import CacheDirInUse, CachefsError, UsageError
 from .fetch.fetcher import Fetcher
 from .fetch.hub_client import HubClient
+from .fetch.tier_client import TierClient
 from .fs.hub_silence import HubSilence
 from .fs.mountpoints import find_mount
 from .fs.operations import CachefsOperations
@@ -112,6 +113,22 @@ def run_daemon(config: MountConfig, notify: Notify) -> int:
     return 0
 
 
+def _hub_client(config: MountConfig, stats: Stats) -> HubClient:
+    """The hub, or with --tier the region's nodes in front of it."""
+    options: dict[str, Any] = dict(
+        max_connections=config.max_connections,
+        connect_timeout_s=config.connect_timeout_s,
+        read_timeout_s=config.read_timeout_s,
+        token=config.token,
+        ssl_context=_ssl_context(config),
+    )
+    if not config.tier_urls:
+        return HubClient(config.hub_url, **options)
+    log.info("file data through the regional tier (%s), each slice of %d bytes from the node that owns it",
+             ", ".join(map(str, config.tier_urls)), config.tier_slice_bytes)
+    return TierClient(config.hub_url, config.tier_urls, slice_bytes=config.tier_slice_bytes, stats=stats, **options)
+
+
 def _open_databases(config: MountConfig) -> tuple[NamespaceDb, IndexDb]:
     try:
         return open_cache_databases(config.cache_dir)
@@ -132,14 +149,7 @@ def _check_block_size(db: IndexDb, config: MountConfig) -> None:
 
 async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: IndexDb, notify: Notify) -> None:
     stats = Stats()
-    client = HubClient(
-        config.hub_url,
-        max_connections=config.max_connections,
-        connect_timeout_s=config.connect_timeout_s,
-        read_timeout_s=config.read_timeout_s,
-        token=config.token,
-        ssl_context=_ssl_context(config),
-    )
+    client = _hub_client(config, stats)
     namespace = Namespace(namespace_db)
     handles = OpenFiles()
     snapshots = Snapshots(config, client, namespace_db, namespace, handles.versions)
@@ -208,6 +218,7 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
                     dir_mode=config.dir_mode,
                 ),
                 attr_timeout_s=config.attr_timeout_s,
+                version_generations=config.nfs_export,
                 stats_json=lambda: {"pid": os.getpid(), **admin.snapshot()},
             )
             control = ControlServer(admin.handlers(), {"plan": planner.handle_plan})

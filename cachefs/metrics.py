@@ -81,11 +81,14 @@ class Stats:
     verified_files: int = 0  # cached files read back whole and verified, so they can be opened that way
     hub_errors: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     fuse_errors: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    # With a regional tier (fetch/tier_client.py), by node position in --tier or "hub":
+    tier_requests: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)  # answered
+    tier_failovers: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)  # failed, asked the next
 
     def as_dict(self) -> dict[str, Any]:
         values = dataclasses.asdict(self)
-        values["hub_errors"] = dict(self.hub_errors)
-        values["fuse_errors"] = dict(self.fuse_errors)
+        for field in ("hub_errors", "fuse_errors", "tier_requests", "tier_failovers"):
+            values[field] = dict(getattr(self, field))
         return values
 
 
@@ -188,6 +191,15 @@ class SpokeCollector(Collector):
             name="cachefs_fuse_errors", text="FUSE requests answered with an error, by operation",
             label="operation", counts=self._stats.fuse_errors, known=WATCHED_FUSE_OPERATIONS,
         )
+        if self._stats.tier_requests:  # only spokes with a --tier (tier_client.py sets its labels)
+            yield _labelled(
+                name="cachefs_tier_requests", text="Requests for file data answered, by tier node (its --tier position) or hub",
+                label="node", counts=self._stats.tier_requests, known=(),
+            )
+            yield _labelled(
+                name="cachefs_tier_failovers", text="Requests a tier node failed, asked of the next node or the hub, by node",
+                label="node", counts=self._stats.tier_failovers, known=(),
+            )
         for name, value in self._gauges().items():
             yield GaugeMetricFamily(name, _GAUGES[name], value=value)
 

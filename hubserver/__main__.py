@@ -1,4 +1,4 @@
-"""Allow ``python -m hubserver``, equivalent to the ``cachefs-hub`` command."""
+"""Allow `python -m hubserver`, equivalent to the `cachefs-hub` command."""
 
 from __future__ import annotations
 

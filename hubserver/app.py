@@ -1,4 +1,4 @@
-"""The hub's aiohttp application: routes, middlewares, snapshot lifecycle."""
+"""`make_app(config)`: the hub's aiohttp application, with its routes, middlewares, state and cleanup."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ from typing import Final
 
 from aiohttp import web
 
-from hubserver import batch, checksums, handlers, rescan
-from hubserver.auth import HubAuth, make_auth_middleware
+from hubserver import batch, checksums, handlers, middlewares, rescan
+from hubserver.auth import HubAuth
 from hubserver.config import HubConfig
-from hubserver.handlers import MANIFEST_CHUNK_BYTES_KEY, METRICS_KEY, SNAPSHOT_KEY
-from hubserver.manifest import scan
+from hubserver.handlers import MANIFEST_CHUNK_BYTES_KEY, METRICS_KEY
 from hubserver.metrics import (
     ENDPOINT_BATCH,
     ENDPOINT_CHECKSUMS,
@@ -25,9 +24,10 @@ from hubserver.metrics import (
     ENDPOINT_RESCAN,
     HubMetrics,
 )
-from hubserver.server import make_observe_middleware
+from hubserver.rescan import SNAPSHOT_KEY
+from hubserver.scan import scan
 
-LOG = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 CONFIG_KEY: Final = web.AppKey("config", HubConfig)
 AUTH_KEY: Final = web.AppKey("auth", HubAuth)
@@ -44,7 +44,7 @@ async def _snapshot_ctx(app: web.Application) -> AsyncIterator[None]:
     scan_s = time.monotonic() - started
     app[SNAPSHOT_KEY] = rescan.SnapshotHolder(snapshot, app[METRICS_KEY], config.root)
     rescan.publish(app[METRICS_KEY], snapshot, scan_s)
-    LOG.info(
+    log.info(
         "scanned %s: %d files, %d bytes, %d entries, generation %s (%.2f s)",
         snapshot.root,
         snapshot.file_count,
@@ -64,21 +64,14 @@ async def _close_checksums(app: web.Application) -> None:
 def make_app(config: HubConfig, auth: HubAuth | None = None) -> web.Application:
     """Build the hub application; the root is scanned when it starts.
 
-    ``auth`` defaults to the token files named in ``config`` (loaded now;
-    raises auth.TokenFileError).
+    `auth` defaults to the token files named in `config` (loaded now;
+    raises TokenFileError).
     """
     if auth is None:
         auth = HubAuth.from_config(config)
     metrics = HubMetrics()
     app = web.Application(
-        # Outermost first: record every answer, make errors JSON, then check
-        # credentials, so that a 401 is counted and logged like any answer.
-        middlewares=[
-            make_observe_middleware(metrics, access_log=config.access_log),
-            handlers.error_middleware,
-            handlers.http_version_middleware,
-            make_auth_middleware(auth, metrics),
-        ],
+        middlewares=middlewares.chain(metrics, auth, config.access_log),
         client_max_size=config.client_max_size_bytes,
     )
     app[CONFIG_KEY] = config
@@ -98,5 +91,5 @@ def make_app(config: HubConfig, auth: HubAuth | None = None) -> web.Application:
     app[batch.SLOTS_KEY] = batch.BatchSlots(on_hashed=metrics.count_hashed)
     add_get("/v1/batch", batch.batch, allow_head=False, name=ENDPOINT_BATCH)
     add_get("/metrics", handlers.metrics, name=ENDPOINT_METRICS)
-    app.router.add_post("/v1/rescan", rescan.rescan_request, name=ENDPOINT_RESCAN)
+    app.router.add_post("/v1/rescan", handlers.rescan, name=ENDPOINT_RESCAN)
     return app

@@ -1,13 +1,13 @@
-"""Bearer-token authentication: token files, SIGHUP reloads, the middleware.
+"""Who a client is: the name of its bearer token (from token files reloaded on SIGHUP), or of its TLS certificate.
 
-A token file has one ``NAME:TOKEN`` per line; ``#`` starts a comment line,
+A token file has one `NAME:TOKEN` per line; `#` starts a comment line,
 blank lines are skipped. NAME identifies the client in logs; TOKEN is what
-it sends as ``Authorization: Bearer TOKEN``. Several lines are allowed so a
+it sends as `Authorization: Bearer TOKEN`. Several lines are allowed so a
 token can be rotated without downtime: add the new one, SIGHUP, move the
 clients over, remove the old one, SIGHUP.
 
 Only SHA-256 digests of the tokens are kept in memory, and a presented token
-is compared (``hmac.compare_digest``, digest against digest, so neither its
+is compared (`hmac.compare_digest`, digest against digest, so neither its
 content nor its length shows in the timing) with every configured one
 without stopping at a match. A token is never logged, and no error message
 quotes one.
@@ -22,28 +22,22 @@ import logging
 import os
 import re
 import stat
-import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 from aiohttp import hdrs, web
 
-from hubserver.clients import request_client
+from hubserver.access_log import printable
 from hubserver.config import HubConfig
-from hubserver.handlers import endpoint_of, json_error, loggable_target, printable
+from hubserver.errors import TokenFileError
 from hubserver.metrics import (
-    AUTH_INVALID,
     AUTH_MALFORMED,
     AUTH_MISSING,
-    ENDPOINT_HEALTHZ,
-    ENDPOINT_METRICS,
-    ENDPOINT_RESCAN,
     HubMetrics,
 )
 
-LOG = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 IDENTITY_KEY: Final = web.RequestKey("identity", str)
 """Who made the request: the token's NAME, set once it is accepted."""
@@ -58,14 +52,6 @@ MAX_NAME_CHARS: Final = 64
 MAX_TOKEN_FILE_BYTES: Final = 1024 * 1024
 # Group and other may not have any access: the file holds secrets.
 _FORBIDDEN_MODE_BITS: Final = 0o077
-_REALM: Final = "cachefs-hub"
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class TokenFileError(Exception):
-    """A token file cannot be used; the message is one line, naming the file
-    and line but never a token."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +128,7 @@ def read_token_file(path: Path) -> tuple[Token, ...]:
 
 
 class TokenStore:
-    """The tokens of one token file; ``reload`` swaps them atomically."""
+    """The tokens of one token file; `reload` swaps them atomically."""
 
     def __init__(self, path: Path, tokens: tuple[Token, ...]) -> None:
         self.path = path
@@ -150,7 +136,7 @@ class TokenStore:
 
     @classmethod
     def load(cls, path: Path) -> TokenStore:
-        """Read ``path``; raises TokenFileError."""
+        """Read `path`; raises TokenFileError."""
         return cls(path, read_token_file(path))
 
     @property
@@ -163,7 +149,7 @@ class TokenStore:
         self._tokens = read_token_file(self.path)
 
     def identify(self, token: str) -> str | None:
-        """The NAME of ``token`` (a well-formed b64token), or None. Every
+        """The NAME of `token` (a well-formed b64token), or None. Every
         configured token is compared, in constant time each."""
         presented = _digest(token)
         found: str | None = None
@@ -199,15 +185,15 @@ class HubAuth:
     def reload(self, metrics: HubMetrics | None = None) -> None:
         """Reload every token file (SIGHUP); log the outcome of each."""
         if not self.stores():
-            LOG.info("SIGHUP: no token file to reload")
+            log.info("SIGHUP: no token file to reload")
         for store in self.stores():
             try:
                 store.reload()
             except TokenFileError as exc:
-                LOG.error("SIGHUP: %s; the tokens loaded before stay in force", exc)
+                log.error("SIGHUP: %s; the tokens loaded before stay in force", exc)
                 result = "error"
             else:
-                LOG.info(
+                log.info(
                     "SIGHUP: reloaded token file %s: %d tokens (%s)",
                     store.path,
                     len(store.names),
@@ -219,7 +205,7 @@ class HubAuth:
 
 
 def bearer_token(request: web.BaseRequest) -> tuple[str | None, str]:
-    """The token of the request's ``Authorization: Bearer`` header, or None
+    """The token of the request's `Authorization: Bearer` header, or None
     and the reason (AUTH_MISSING or AUTH_MALFORMED)."""
     values = request.headers.getall(hdrs.AUTHORIZATION, [])
     if not values:
@@ -231,24 +217,6 @@ def bearer_token(request: web.BaseRequest) -> tuple[str | None, str]:
     if scheme.lower() != "bearer" or not _TOKEN_RE.fullmatch(token) or len(token) > MAX_TOKEN_CHARS:
         return None, AUTH_MALFORMED
     return token, ""
-
-
-_REASON_TEXT: Final = {
-    AUTH_MISSING: "no Authorization header",
-    AUTH_MALFORMED: "Authorization is not one 'Bearer <token>'",
-    AUTH_INVALID: "unknown token",
-}
-
-
-def _unauthorized(reason: str) -> web.Response:
-    challenge = f'Bearer realm="{_REALM}"'
-    if reason != AUTH_MISSING:
-        challenge += ', error="invalid_token"'
-    return json_error(
-        401,
-        f"authentication required: {_REASON_TEXT[reason]}",
-        {hdrs.WWW_AUTHENTICATE: challenge},
-    )
 
 
 # A client's refusals are logged at most once per this many seconds (a client retrying
@@ -281,57 +249,8 @@ class RefusalLog:
         return unlogged
 
 
-def make_auth_middleware(auth: HubAuth, metrics: HubMetrics) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """The middleware that answers 401 to requests without a valid token.
-
-    /healthz is always open; /metrics needs a token of ``auth.metrics`` if
-    set; POST /v1/rescan one of ``auth.admin`` (and is refused, 403, on a hub
-    with data tokens but no admin tokens: a data token does not allow it); any
-    other path (unknown ones too, so that nothing can be probed) needs a token
-    of ``auth.data`` if set. A client's 401s are logged at most once a minute
-    (RefusalLog), and all counted.
-    """
-    refusals = RefusalLog()
-
-    @web.middleware
-    async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        endpoint = endpoint_of(request)
-        if endpoint == ENDPOINT_HEALTHZ:
-            return await handler(request)
-        store = auth.data
-        if endpoint == ENDPOINT_METRICS:
-            store = auth.metrics
-        elif endpoint == ENDPOINT_RESCAN:
-            if auth.admin is None and auth.data is not None:
-                return json_error(403, "POST /v1/rescan needs an admin token, and this hub has no --admin-token-file")
-            store = auth.admin
-        if store is None:
-            return await handler(request)
-        token, reason = bearer_token(request)
-        name = store.identify(token) if token is not None else None
-        if name is None:
-            reason = reason or AUTH_INVALID
-            metrics.auth_failures.labels(endpoint, reason).inc()
-            unlogged = refusals.due(request_client(request), time.monotonic())
-            if unlogged is not None:
-                LOG.warning(
-                    "rejected %s %s from %s: %s (%d more refused from this client since its last report; "
-                    "at most one report a minute)",
-                    request.method,
-                    loggable_target(request),
-                    request.remote,
-                    _REASON_TEXT[reason],
-                    unlogged,
-                )
-            return _unauthorized(reason)
-        request[IDENTITY_KEY] = name
-        return await handler(request)
-
-    return auth_middleware
-
-
 def client_cert_name(request: web.BaseRequest) -> str | None:
-    """``cn=<common name>`` of the client's TLS certificate (mutual TLS), or
+    """`cn=<common name>` of the client's TLS certificate (mutual TLS), or
     None without one."""
     transport = request.transport
     if transport is None:

@@ -1,10 +1,10 @@
-"""Many small files in one answer: ``GET /v1/batch?bs={block_size}&f={id}.{v},{id}.{v},...``.
+"""Many small files in one answer: `GET /v1/batch?bs={block_size}&f={id}.{v},{id}.{v},...`.
 
 A spoke reading a tree of small files would otherwise pay one request (and
 one round trip of a WAN) per file. A batch names up to `MAX_FILES` whole
 files, each at most one block of the spoke's block size; the answer is their
 bytes back to back, in the order asked, with the xxh3-64 of each (its only
-block) in the ``Cachefs-Batch-Sums`` header. The spoke knows every size from
+block) in the `Cachefs-Batch-Sums` header. The spoke knows every size from
 the manifest, so no framing is needed.
 
 All or nothing: if any file is not the snapshot's (unknown id, other
@@ -34,19 +34,15 @@ from aiohttp import web
 
 from hubserver.checksums import block_bytes_param
 from hubserver.clients import request_client
+from hubserver.errors import FileChangedError, FileUnavailableError, HubHTTPError, NotInSnapshotError
 from hubserver.fairness import PerClientTurns
-from hubserver.handlers import (
-    IMMUTABLE_CACHE_CONTROL,
-    SNAPSHOT_KEY,
-    HubHTTPError,
-    check_query,
-    json_error,
-    send_file_range,
-)
-from hubserver.manifest import FileChangedError, FileRecord, FileUnavailableError, Snapshot, open_unchanged, read_block
+from hubserver.files import open_unchanged, read_block
+from hubserver.handlers import IMMUTABLE_CACHE_CONTROL, check_query, json_error, send_file_range
 from hubserver.metrics import ENDPOINT_BATCH
+from hubserver.rescan import SNAPSHOT_KEY
+from hubserver.snapshot import FileRecord, Snapshot
 
-LOG = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 MAX_FILES: Final = 64
 MAX_BYTES: Final = 8 * 1024 * 1024  # what one answer holds in the hub's memory
@@ -84,10 +80,6 @@ class BatchSlots:
 SLOTS_KEY: Final = web.AppKey("batch_slots", BatchSlots)
 
 
-class _NotInSnapshot(Exception):
-    """A file the batch names is not (or no longer) the snapshot's: 412."""
-
-
 async def batch(request: web.Request) -> web.StreamResponse:
     """The named files' bytes back to back, their checksums in SUMS_HEADER."""
     check_query(request, _QUERY)
@@ -106,11 +98,11 @@ async def batch(request: web.Request) -> web.StreamResponse:
             raise HubHTTPError(503, "too many batches under way; retry", {"Retry-After": "1"})
         async with slots.taken(client):
             sums = await asyncio.get_running_loop().run_in_executor(None, _hash_all, snapshot, records, slots.on_hashed)
-    except _NotInSnapshot as exc:
-        LOG.info("batch: %s; answering 412", exc)
+    except NotInSnapshotError as exc:
+        log.info("batch: %s; answering 412", exc)
         return json_error(412, str(exc))
     except FileUnavailableError as exc:
-        LOG.warning("batch: %s; answering 503", exc)
+        log.warning("batch: %s; answering 503", exc)
         return json_error(503, "a file of the batch cannot be read now; retry", {"Retry-After": "1"})
     return await _send(request, snapshot, records, sums)
 
@@ -133,7 +125,7 @@ async def _send(request: web.Request, snapshot: Snapshot, records: list[FileReco
         try:
             fd = await loop.run_in_executor(None, open_unchanged, snapshot, record)
         except (FileChangedError, FileUnavailableError) as exc:  # since it was hashed: the answer is cut
-            LOG.warning("batch: file %s cannot be sent (%s); closing the connection", record.file_id, exc)
+            log.warning("batch: file %s cannot be sent (%s); closing the connection", record.file_id, exc)
             if request.transport is not None:
                 request.transport.abort()
             raise ConnectionResetError(f"file {record.file_id} cannot be sent") from None
@@ -149,7 +141,7 @@ def _record(snapshot: Snapshot, name: str, block_bytes: int) -> FileRecord:
     file_id, version = name.split(".")
     record = snapshot.files_by_id.get(file_id)
     if record is None or record.version != version:
-        raise _NotInSnapshot(f"file {file_id} version {version} is not in this snapshot")
+        raise NotInSnapshotError(f"file {file_id} version {version} is not in this snapshot")
     if record.size_bytes > block_bytes:
         raise HubHTTPError(400, f"file {file_id} is larger than one block of {block_bytes} bytes")
     return record
@@ -163,14 +155,14 @@ def _hash_all(snapshot: Snapshot, records: list[FileRecord], on_hashed: Callable
         try:
             fd = open_unchanged(snapshot, record)
         except FileChangedError as exc:
-            LOG.warning("file %s: %s", record.file_id, exc)
-            raise _NotInSnapshot(f"file {record.file_id} changed on disk since the snapshot") from None
+            log.warning("file %s: %s", record.file_id, exc)
+            raise NotInSnapshotError(f"file {record.file_id} changed on disk since the snapshot") from None
         try:
             content = read_block(fd, record, record.size_bytes, 0)
         finally:
             os.close(fd)
         on_hashed(ENDPOINT_BATCH, len(content))
         if len(content) != record.size_bytes:
-            raise _NotInSnapshot(f"file {record.file_id} shrank on disk since the snapshot")
+            raise NotInSnapshotError(f"file {record.file_id} shrank on disk since the snapshot")
         sums.append(xxhash.xxh3_64_intdigest(content))
     return sums

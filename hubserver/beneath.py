@@ -1,12 +1,12 @@
 """Opening a path inside a directory without following a symlink in any of its components.
 
-``O_NOFOLLOW`` guards only the last component of a path: a directory of the
+`O_NOFOLLOW` guards only the last component of a path: a directory of the
 root swapped for a symlink to the outside would still be followed, and the
 open itself has side effects on what it reaches (a FIFO's blocked writer
 goes on, a device is opened). Where the kernel has it (Linux 5.6+),
-``openat2`` with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`` refuses such a
+`openat2` with `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS` refuses such a
 path in one call; elsewhere the path is walked one directory at a time,
-each opened with ``O_NOFOLLOW`` relative to the one before.
+each opened with `O_NOFOLLOW` relative to the one before.
 """
 
 from __future__ import annotations

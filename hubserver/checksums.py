@@ -1,5 +1,5 @@
-"""Block checksums: ``GET /v1/files/{id}/checksums?v=&bs=&first=&count=``, and
-in the ``Cachefs-Block-Sums`` header of ``GET /v1/files/{id}?v=&bs=``.
+"""Block checksums, computed once each: `GET /v1/files/{id}/checksums?v=&bs=&first=&count=`,
+or the `Cachefs-Block-Sums` header of `GET /v1/files/{id}?v=&bs=`.
 
 The spoke checks every block it receives against the hub's xxh3-64 of it,
 end to end. Checksums are computed when first asked for (reading the
@@ -7,10 +7,10 @@ blocks from the file the snapshot recorded) and remembered in a bounded
 LRU, so a block read by many spokes is hashed once. Measured cost: one
 read of the block from the page cache plus ~0.05 ms per MiB of hashing.
 
-A data request that names the spoke's block size (``bs``) gets the sums of
+A data request that names the spoke's block size (`bs`) gets the sums of
 the blocks its range covers whole in a header, so a small file costs one
 request instead of a data and a checksum request. The header says which
-blocks it covers (``bs=<n>; first=<block>; <hex>,<hex>...``): a cache in
+blocks it covers (`bs=<n>; first=<block>; <hex>,<hex>...`): a cache in
 between that answers from a larger aligned slice stays correct.
 
 What one request can make the hub hash is bounded: a data request no more
@@ -37,20 +37,15 @@ from aiohttp import web
 
 from hubserver import handlers
 from hubserver.clients import request_client
+from hubserver.errors import FileChangedError, FileUnavailableError, HubHTTPError, RequestAbandoned
 from hubserver.fairness import PerClientTurns
-from hubserver.handlers import SNAPSHOT_KEY, HubHTTPError, json_error, unavailable
-from hubserver.manifest import (
-    FileChangedError,
-    FileRecord,
-    FileUnavailableError,
-    Snapshot,
-    check_unchanged,
-    open_unchanged,
-    read_block,
-)
+from hubserver.files import check_unchanged, open_unchanged, read_block
+from hubserver.handlers import json_error, unavailable
 from hubserver.metrics import ENDPOINT_CHECKSUMS, ENDPOINT_FILES
+from hubserver.rescan import SNAPSHOT_KEY
+from hubserver.snapshot import FileRecord, Snapshot
 
-LOG = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 _HEX16: Final = re.compile(r"[0-9a-f]{16}")
 _ALLOWED: Final = frozenset({"v", "bs", "first", "count"})
@@ -78,10 +73,6 @@ MAX_HEADER_SUMS: Final = 64  # ~1.1 KB of header; larger ranges get no header
 _Key = tuple[str, str, int, int]  # file id, version, block size, block
 # How often a request waiting for another's computation looks whether its client is still there.
 _WAIT_CHECK_S: Final = 0.25
-
-
-class RequestAbandoned(Exception):
-    """The client went away: its checksums are not hashed further."""
 
 
 def _always_wanted() -> bool:
@@ -231,8 +222,8 @@ def whole_blocks(byte_range: tuple[int, int], size_bytes: int, block_bytes: int)
 
 
 async def file_data(request: web.Request) -> web.StreamResponse:
-    """``GET /v1/files/{id}?v=[&bs=]``: the file's bytes (handlers.file_data); with
-    ``bs``, the checksums of the blocks the range covers whole in SUMS_HEADER (so the
+    """`GET /v1/files/{id}?v=[&bs=]`: the file's bytes (handlers.file_data); with
+    `bs`, the checksums of the blocks the range covers whole in SUMS_HEADER (so the
     hub hashes no more than it sends)."""
     block_bytes = block_bytes_param(request) if "bs" in request.query else None
     response = await handlers.file_data(request)
@@ -252,7 +243,7 @@ async def file_data(request: web.Request) -> web.StreamResponse:
         )
     except FileChangedError as exc:
         response.close_fd()
-        LOG.warning("file %s: %s; answering 412", record.file_id, exc)
+        log.warning("file %s: %s; answering 412", record.file_id, exc)
         return json_error(412, f"file {record.file_id} changed on disk since the snapshot")
     except FileUnavailableError as exc:
         response.close_fd()
@@ -292,7 +283,7 @@ async def file_checksums(request: web.Request) -> web.Response:
                       client=request_client(request))
         )
     except FileChangedError as exc:
-        LOG.warning("file %s: %s; answering 412", file_id, exc)
+        log.warning("file %s: %s; answering 412", file_id, exc)
         return json_error(412, f"file {file_id} changed on disk since the snapshot")
     except FileUnavailableError as exc:
         return unavailable(record, exc)
@@ -311,5 +302,5 @@ async def file_checksums(request: web.Request) -> web.Response:
 def _abandoned(exc: RequestAbandoned) -> web.Response:
     """The answer to a request whose client went away while its sums were hashed (never
     delivered; 499, "client closed request", in the access log and metrics)."""
-    LOG.debug("%s: stopped hashing", exc)
+    log.debug("%s: stopped hashing", exc)
     return json_error(499, str(exc))

@@ -1,4 +1,4 @@
-"""The ``cachefs-hub`` command: argument parsing and user-facing errors."""
+"""The `cachefs-hub` command: from its options to a serving hub, with one-line errors for the user."""
 
 from __future__ import annotations
 
@@ -28,21 +28,18 @@ from hubserver.config import (
     LOG_LEVELS,
     HubConfig,
 )
+from hubserver.errors import TLSConfigError, TokenFileError, UserError
 
 if TYPE_CHECKING:
     from hubserver.auth import HubAuth
 
-LOG = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 PROG = "cachefs-hub"
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-
-
-class UserError(Exception):
-    """A problem the user can fix; reported as one line, no traceback."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,7 +50,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_listen(value: str) -> tuple[str, int]:
-    """Split ``HOST:PORT`` (``[IPV6]:PORT`` for IPv6) into host and port."""
+    """Split `HOST:PORT` (`[IPV6]:PORT` for IPv6) into host and port."""
     host, sep, port_text = value.rpartition(":")
     if not sep or not host:
         raise argparse.ArgumentTypeError(f"listen address {value!r} is not HOST:PORT")
@@ -85,7 +82,7 @@ def _positive_seconds(value: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line of ``cachefs-hub``."""
+    """The command line of `cachefs-hub`."""
     parser = _Parser(
         prog=PROG,
         description="Serve one dataset directory, read-only, to cachefs spokes over HTTP.",
@@ -322,14 +319,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 async def serve(config: HubConfig, auth: HubAuth, ssl_context: ssl.SSLContext | None, sock: socket.socket) -> int:
-    """Scan, listen on ``sock``, announce the address, serve until
+    """Scan, listen on `sock`, announce the address, serve until
     SIGTERM/SIGINT; reload the token files on SIGHUP."""
     # Imported here: aiohttp takes half a second to import, which --help and
     # the one-line usage errors have no need to wait for.
     from aiohttp import web
 
     from hubserver.app import METRICS_KEY, make_app
-    from hubserver.handlers import SNAPSHOT_KEY
+    from hubserver.rescan import SNAPSHOT_KEY
     from hubserver.server import handler_options, start_server
 
     app = make_app(config, auth)
@@ -350,12 +347,12 @@ async def serve(config: HubConfig, auth: HubAuth, ssl_context: ssl.SSLContext | 
         authenticated = auth.data is not None or config.tls_client_ca is not None
         warning = exposure_warning(host, authenticated, ssl_context is not None)
         if warning is not None:
-            LOG.warning("%s", warning)
+            log.warning("%s", warning)
         scheme = "https" if ssl_context is not None else "http"
         print(f"{PROG} listening on {scheme}://{_format_host(host)}:{port}", flush=True)
         sd_notify("READY=1")  # systemd's Type=notify: units ordered after the hub find it serving
         signum = await _wait_for_stop_signal()
-        LOG.info("received %s, shutting down", signum.name)
+        log.info("received %s, shutting down", signum.name)
         sd_notify("STOPPING=1")
     finally:
         loop.remove_signal_handler(signal.SIGHUP)
@@ -363,15 +360,15 @@ async def serve(config: HubConfig, auth: HubAuth, ssl_context: ssl.SSLContext | 
         if server is not None:
             server.close()
         await runner.cleanup()
-    LOG.info("stopped")
+    log.info("stopped")
     return EXIT_OK
 
 
 def _load_credentials(config: HubConfig) -> tuple[HubAuth, ssl.SSLContext | None]:
     """Read the token files and TLS files now, so that a mistake is one line
     at start and not a surprise at the first request. Raises UserError."""
-    from hubserver.auth import HubAuth, TokenFileError
-    from hubserver.server import TLSConfigError, make_ssl_context
+    from hubserver.auth import HubAuth
+    from hubserver.tls import make_ssl_context
 
     try:
         return HubAuth.from_config(config), make_ssl_context(config)
@@ -388,7 +385,7 @@ def _check_installed() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``cachefs-hub``; returns the exit code."""
+    """Entry point of `cachefs-hub`; returns the exit code."""
     parser = build_parser()
     try:
         args = parser.parse_args(with_config_file(list(sys.argv[1:] if argv is None else argv), parser, "serve"))

@@ -1,4 +1,4 @@
-"""HTTP handlers of the hub: health, manifest, ranged file data, metrics, errors."""
+"""The hub's endpoints (health, manifest, ranged file data, metrics, rescan), answering errors as JSON."""
 
 from __future__ import annotations
 
@@ -7,18 +7,20 @@ import logging
 import os
 import re
 import weakref
-from collections.abc import Awaitable, Callable
 from typing import Final
 
 from aiohttp import hdrs, web
 from aiohttp.abc import AbstractStreamWriter
 
-from hubserver.manifest import FileChangedError, FileRecord, FileUnavailableError, open_unchanged
+from hubserver.access_log import printable
+from hubserver.errors import FileChangedError, FileUnavailableError, HubHTTPError, RangeNotSatisfiable
+from hubserver.files import open_unchanged
 from hubserver.metrics import ENDPOINT_OTHER, ENDPOINTS, HubMetrics
+from hubserver.rescan import SNAPSHOT_KEY
+from hubserver.snapshot import FileRecord
 
-LOG = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
-SNAPSHOT_KEY: Final = web.AppKey("snapshot", object)  # a rescan.SnapshotHolder; .current is the Snapshot
 MANIFEST_CHUNK_BYTES_KEY: Final = web.AppKey("manifest_chunk_bytes", int)
 METRICS_KEY: Final = web.AppKey("metrics", HubMetrics)
 BODY_BYTES_KEY: Final = web.RequestKey("body_bytes", int)
@@ -39,58 +41,17 @@ _MAX_POSITION_DIGITS: Final = 19
 # Query parameters each endpoint accepts; anything else is a 400.
 _FILES_QUERY: Final = frozenset({"v", "bs"})  # bs: see checksums.file_data
 NO_QUERY: Final = frozenset[str]()
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class RangeNotSatisfiable(Exception):
-    """The Range header is not one satisfiable byte range of the file."""
-
-
-class HubHTTPError(Exception):
-    """A protocol error, answered with ``json_error`` by ``error_middleware``."""
-
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.headers = headers
-
-
-def printable(text: str, limit_chars: int = 200) -> str:
-    """``text`` made safe for one log line: control and non-printable
-    characters escaped, cut to ``limit_chars``."""
-    if len(text) > limit_chars:
-        text = text[:limit_chars] + "..."
-    if text.isprintable():
-        return text
-    return repr(text)[1:-1]
-
-
-# Query parameters of the protocol and what their values look like (ids, versions,
-# numbers): a query of only these is logged as sent, any other is not logged at all, as
-# it may carry a secret (a token someone put in the URL, ?access_token=...).
-_LOGGABLE_QUERY_RE: Final = re.compile(r"(?:(?:v|bs|first|count|f)=[0-9a-f.,]*)(?:&(?:v|bs|first|count|f)=[0-9a-f.,]*)*")
-REDACTED_QUERY: Final = "<query redacted>"
-
-
-def loggable_target(request: web.BaseRequest) -> str:
-    """The request target for a log line: the path, and the query only if it is made of
-    the protocol's parameters (else REDACTED_QUERY), escaped and cut as by ``printable``."""
-    path, sep, query = request.raw_path.partition("?")
-    if sep and not _LOGGABLE_QUERY_RE.fullmatch(query):
-        query = REDACTED_QUERY
-    return printable(path + sep + query, 300)
 
 
 def unavailable(record: FileRecord, exc: FileUnavailableError) -> web.Response:
     """The answer when a file cannot be opened or read for a reason that may pass: 503,
     which clients retry (a 412 would tell them the file changed)."""
-    LOG.warning("file %s: %s; answering 503", record.file_id, exc)
+    log.warning("file %s: %s; answering 503", record.file_id, exc)
     return json_error(503, f"file {record.file_id} cannot be read now; retry", {hdrs.RETRY_AFTER: "1"})
 
 
 def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    """The protocol's error answer: ``{"error": "<one line>"}``."""
+    """The protocol's error answer: `{"error": "<one line>"}`."""
     one_line = " ".join(message.split())
     return web.json_response({"error": one_line}, status=status, headers=headers)
 
@@ -114,43 +75,13 @@ def check_query(request: web.Request, allowed: frozenset[str]) -> None:
             raise HubHTTPError(400, f"query parameter {key!r} given more than once")
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Answer every error as JSON; never send a traceback. A client that
-    went away is not an error here: ConnectionError passes through."""
-    try:
-        return await handler(request)
-    except HubHTTPError as exc:
-        return json_error(exc.status, exc.message, exc.headers)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        headers: dict[str, str] = {}
-        if hdrs.ALLOW in exc.headers:
-            headers[hdrs.ALLOW] = exc.headers[hdrs.ALLOW]
-        return json_error(exc.status, exc.reason, headers)
-    except ConnectionError:
-        raise
-    except Exception:
-        LOG.exception("unexpected error answering %s %s", request.method, loggable_target(request))
-        return json_error(500, "internal server error")
-
-
-@web.middleware
-async def http_version_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Refuse (505) any HTTP major version but 1: the hub speaks HTTP/1.x."""
-    if request.version.major != 1:
-        return json_error(505, "HTTP version not supported: the hub speaks HTTP/1.1")
-    return await handler(request)
-
-
 async def set_server_header(request: web.Request, response: web.StreamResponse) -> None:
-    """``on_response_prepare`` hook: name the server, not its versions."""
+    """`on_response_prepare` hook: name the server, not its versions."""
     response.headers[hdrs.SERVER] = SERVER_HEADER
 
 
 async def healthz(request: web.Request) -> web.Response:
-    """``GET /healthz``: liveness plus what the snapshot holds."""
+    """`GET /healthz`: liveness plus what the snapshot holds."""
     check_query(request, NO_QUERY)
     snapshot = request.app[SNAPSHOT_KEY].current
     return web.json_response(
@@ -164,7 +95,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def manifest(request: web.Request) -> web.StreamResponse:
-    """``GET /v1/manifest``: the snapshot as gzip NDJSON, streamed.
+    """`GET /v1/manifest`: the snapshot as gzip NDJSON, streamed.
 
     The snapshot holds its manifest gzipped (compressed once, at the scan);
     it is sent in pieces of the configured size. aiohttp's own compression
@@ -192,18 +123,32 @@ async def manifest(request: web.Request) -> web.StreamResponse:
             sent_bytes += len(chunk)
         await response.write_eof()
     except ConnectionError as exc:
-        LOG.info("manifest: client %s went away after %d bytes: %s", request.remote, sent_bytes, exc)
+        log.info("manifest: client %s went away after %d bytes: %s", request.remote, sent_bytes, exc)
         raise
     request[BODY_BYTES_KEY] = sent_bytes
-    LOG.debug("manifest: sent %d gzip bytes, %d entries", sent_bytes, snapshot.entry_count)
+    log.debug("manifest: sent %d gzip bytes, %d entries", sent_bytes, snapshot.entry_count)
     return response
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """``GET /metrics``: this hub's metrics, Prometheus text format."""
+    """`GET /metrics`: this hub's metrics, Prometheus text format."""
     check_query(request, NO_QUERY)
     body, content_type = request.app[METRICS_KEY].exposition(request.headers.get(hdrs.ACCEPT))
     return web.Response(body=body, headers={hdrs.CONTENT_TYPE: content_type, hdrs.CACHE_CONTROL: "no-store"})
+
+
+async def rescan(request: web.Request) -> web.Response:
+    """`POST /v1/rescan`: publish a new generation now (unless one was scanned just now).
+    A root that cannot be scanned answers 503; the current generation stays."""
+    check_query(request, NO_QUERY)
+    holder = request.app[SNAPSHOT_KEY]
+    try:
+        snapshot, scanned = await holder.rescan(unless_recent=True)
+    except OSError as exc:
+        log.error("rescan failed: %s; still serving generation %s", exc.strerror or exc, holder.current.generation)
+        raise HubHTTPError(503, f"cannot scan the root: {exc.strerror or exc}; still serving generation "
+                                f"{holder.current.generation}") from None
+    return web.json_response({"generation": snapshot.generation, "files": snapshot.file_count, "rescanned": scanned})
 
 
 def parse_range(header: str | None, size_bytes: int) -> tuple[int, int] | None:
@@ -211,7 +156,7 @@ def parse_range(header: str | None, size_bytes: int) -> tuple[int, int] | None:
 
     Returns the first and last byte (inclusive), or None without a Range
     header. Raises RangeNotSatisfiable unless the header is exactly one
-    satisfiable byte range: ``bytes=a-b``, ``bytes=a-`` or ``bytes=-n``.
+    satisfiable byte range: `bytes=a-b`, `bytes=a-` or `bytes=-n`.
     """
     if header is None:
         return None
@@ -241,7 +186,7 @@ class SnapshotFileResponse(web.StreamResponse):
     """One file of the snapshot (or a range of it), sent with sendfile from a verified
     open descriptor.
 
-    The descriptor came from ``open_unchanged``: the bytes sent are those of
+    The descriptor came from `open_unchanged`: the bytes sent are those of
     the scanned inode, nothing a path swap could substitute. Length and range
     are the snapshot's, not what a later stat says: a file that grows is sent
     no byte past the snapshot's size, and one that shrinks while it is sent
@@ -298,7 +243,7 @@ async def send_file_range(request: web.BaseRequest, fd: int, record: FileRecord,
     with open(fd, "rb", buffering=0, closefd=False) as file:  # noqa: ASYNC230 (wraps the open descriptor)
         sent = await asyncio.get_running_loop().sendfile(transport, file, offset, length)
     if sent < length:
-        LOG.warning("file %s shrank while being sent (%d of %d bytes); closing the connection",
+        log.warning("file %s shrank while being sent (%d of %d bytes); closing the connection",
                     record.file_id, sent, length)
         transport.abort()
         raise ConnectionResetError(f"file {record.file_id} shrank while being sent")
@@ -334,7 +279,7 @@ def _range_header(request: web.Request, record: FileRecord) -> str | None:
 
 
 async def file_data(request: web.Request) -> web.StreamResponse:
-    """``GET /v1/files/{id}?v={version}``: bytes of one snapshot file."""
+    """`GET /v1/files/{id}?v={version}`: bytes of one snapshot file."""
     record = _lookup(request)
     range_header = _range_header(request, record)
     snapshot = request.app[SNAPSHOT_KEY].current
@@ -342,7 +287,7 @@ async def file_data(request: web.Request) -> web.StreamResponse:
     try:
         fd = await loop.run_in_executor(None, open_unchanged, snapshot, record)
     except FileChangedError as exc:
-        LOG.warning("file %s: %s; answering 412", record.file_id, exc)
+        log.warning("file %s: %s; answering 412", record.file_id, exc)
         return json_error(412, f"file {record.file_id} changed on disk since the snapshot")
     except FileUnavailableError as exc:
         return unavailable(record, exc)

@@ -1,9 +1,9 @@
-"""Every Prometheus metric of the hub: its own under the ``cachefs_hub_`` prefix,
-and the standard ``process_*`` and ``python_info``.
+"""Every Prometheus metric of the hub: its own (`cachefs_hub_` prefix) besides the standard
+`process_*` and `python_info`.
 
-Each application gets its own ``CollectorRegistry`` (never the global one),
+Each application gets its own `CollectorRegistry` (never the global one),
 so several hubs in one process (tests) keep separate counts. Labels are low
-cardinality: ``endpoint`` is a route name from ``ENDPOINTS``, never a path
+cardinality: `endpoint` is a route name from `ENDPOINTS`, never a path
 or a file id.
 """
 
@@ -25,8 +25,9 @@ from prometheus_client.exposition import choose_encoder
 PREFIX: Final = "cachefs_hub"
 
 # A *_created series per counter and histogram doubles the series a scrape
-# stores and no rule or panel uses them (a process-wide setting of the client).
-disable_created_metrics()
+# stores and no rule or panel uses them (a process-wide setting of the client,
+# which leaves this function unannotated).
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # Route names used as the `endpoint` label. "other" is any path no route
 # matches; "malformed" a request the HTTP parser refused (bad request line,

@@ -9,7 +9,7 @@ answered with the current generation when the last scan ended less than
 `MIN_INTERVAL_S`, or `IDLE_PER_SCAN` times its own duration, ago: a client
 cannot keep the hub scanning (requests at most keep it scanning a fifth of
 the time). A root given as a symlink is resolved again at each rescan, so
-switching it to another tree (``ln -sfn v2 current``) publishes that tree.
+switching it to another tree (`ln -sfn v2 current`) publishes that tree.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import Final
 
 from aiohttp import web
 
-from hubserver.handlers import NO_QUERY, SNAPSHOT_KEY, HubHTTPError, check_query
-from hubserver.manifest import Snapshot, scan
 from hubserver.metrics import HubMetrics
+from hubserver.scan import scan
+from hubserver.snapshot import Snapshot
 
-LOG = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 MIN_INTERVAL_S: Final = 1.0
 IDLE_PER_SCAN: Final = 4.0
@@ -60,7 +60,7 @@ class SnapshotHolder:
                 self._scan_s = self.scanned_at - started
             self.current = snapshot
             publish(self._metrics, snapshot, self._scan_s)
-            LOG.info("rescanned %s: generation %s -> %s, %d files (%.2f s)", snapshot.root,
+            log.info("rescanned %s: generation %s -> %s, %d files (%.2f s)", snapshot.root,
                      previous.generation, snapshot.generation, snapshot.file_count, self._scan_s)
             return snapshot, True
 
@@ -69,8 +69,11 @@ class SnapshotHolder:
         try:
             await self.rescan()
         except OSError as exc:
-            LOG.error("rescan of %s failed: %s; still serving generation %s", self._root, exc.strerror or exc,
+            log.error("rescan of %s failed: %s; still serving generation %s", self._root, exc.strerror or exc,
                       self.current.generation)
+
+
+SNAPSHOT_KEY: Final = web.AppKey("snapshot", SnapshotHolder)
 
 
 def publish(metrics: HubMetrics, snapshot: Snapshot, scan_s: float) -> None:
@@ -88,20 +91,6 @@ async def rescan_periodically(holder: SnapshotHolder, interval_s: float) -> None
     while True:
         await asyncio.sleep(interval_s)
         await holder.rescan_logged()
-
-
-async def rescan_request(request: web.Request) -> web.Response:
-    """``POST /v1/rescan``: publish a new generation now (unless one was scanned just now).
-    A root that cannot be scanned answers 503; the current generation stays."""
-    check_query(request, NO_QUERY)
-    holder: SnapshotHolder = request.app[SNAPSHOT_KEY]
-    try:
-        snapshot, scanned = await holder.rescan(unless_recent=True)
-    except OSError as exc:
-        LOG.error("rescan failed: %s; still serving generation %s", exc.strerror or exc, holder.current.generation)
-        raise HubHTTPError(503, f"cannot scan the root: {exc.strerror or exc}; still serving generation "
-                                f"{holder.current.generation}") from None
-    return web.json_response({"generation": snapshot.generation, "files": snapshot.file_count, "rescanned": scanned})
 
 
 async def interval_ctx(app: web.Application, interval_s: float | None) -> AsyncIterator[None]:

@@ -1,31 +1,28 @@
-"""The HTTP layer around the application: TLS, connection limits, the
-request head timeout, the access log and per-request metrics.
+"""Each client connection around aiohttp's requests: admitted under limits, TLS, timeouts, JSON for what the parser refuses.
 
 aiohttp parses requests and bounds idle keep-alive connections itself; what
 it lacks is added here, in a subclass of its connection handler
-(``HubRequestHandler``) that the CLI's listening socket creates for every
+(`HubRequestHandler`) that the CLI's listening socket creates for every
 connection:
 
 - a cap on open connections, in all and per client address, counted when the
   TCP connection opens: beyond it a connection gets a canned 503 and is closed
   (with TLS it is closed at once, before any handshake);
 - the TLS handshake, started by the connection once it is counted, and
-  bounded by ``header_timeout_s``;
+  bounded by `header_timeout_s`;
 - a request head timeout: a connection must deliver a complete request head
-  within ``header_timeout_s`` of opening and of the first byte of each later
+  within `header_timeout_s` of opening and of the first byte of each later
   request, or it is closed (slowloris). aiohttp's own keep-alive timer only
   bounds the idle time between requests;
 - a send timeout: a client that accepts no data of a response for
-  ``send_timeout_s`` is cut off by the kernel (TCP_USER_TIMEOUT), which
+  `send_timeout_s` is cut off by the kernel (TCP_USER_TIMEOUT), which
   covers sendfile too (slow read);
 - JSON answers, without tracebacks, to requests the HTTP parser refuses.
 
-``make_observe_middleware`` is the outermost middleware: it sends the
-response itself, so that the duration and byte count it records (metrics,
-access log) cover the whole body, and tells the connection when a request
-is in progress.
+The observe middleware (middlewares.py) tells the connection when a request
+is in progress. The subclass is why pyproject.toml keeps aiohttp below its
+next minor version.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -35,7 +32,6 @@ import re
 import socket
 import ssl
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from aiohttp import hdrs, web
@@ -49,23 +45,13 @@ from aiohttp.http_exceptions import (
 )
 from aiohttp.web_protocol import RequestHandler
 
-from hubserver.auth import IDENTITY_KEY, client_cert_name
+from hubserver.access_log import log_access
 from hubserver.clients import client_of
 from hubserver.config import HubConfig
-from hubserver.handlers import (
-    BODY_BYTES_KEY,
-    SERVER_HEADER,
-    endpoint_of,
-    json_error,
-    loggable_target,
-    printable,
-)
-from hubserver.metrics import ENDPOINT_MALFORMED, STATUS_CLIENT_CLOSED, HubMetrics
+from hubserver.handlers import SERVER_HEADER, json_error
+from hubserver.metrics import ENDPOINT_MALFORMED, HubMetrics
 
-LOG = logging.getLogger(__name__)
-ACCESS_LOG: Final = logging.getLogger("hubserver.access")
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+log = logging.getLogger(__name__)
 
 # A refused connection gets its 503 when its first bytes arrive (so the
 # request is read and the close is clean), or after this long without any.
@@ -83,50 +69,8 @@ _REFUSAL_RESPONSE: Final = (
 )
 
 
-class TLSConfigError(Exception):
-    """A TLS option cannot be used; one line for the user."""
-
-
-def _ssl_reason(exc: BaseException) -> str:
-    if isinstance(exc, ssl.SSLError):
-        return exc.reason or str(exc)
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    return str(exc)
-
-
-def _no_password() -> bytes:
-    raise TLSConfigError("the key is encrypted; give an unencrypted key (readable by the hub only)")
-
-
-def make_ssl_context(config: HubConfig) -> ssl.SSLContext | None:
-    """The server's TLS context (TLS 1.2 or newer, HTTP/1.1 only), None
-    without --tls-cert. With --tls-client-ca every client must present a
-    certificate that CA signed. Raises TLSConfigError."""
-    if config.tls_cert is None or config.tls_key is None:
-        return None
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.set_alpn_protocols(["http/1.1"])
-    try:
-        context.load_cert_chain(config.tls_cert, config.tls_key, password=_no_password)
-    except TLSConfigError as exc:
-        raise TLSConfigError(f"--tls-key {config.tls_key}: {exc}") from None
-    except (OSError, ValueError) as exc:
-        raise TLSConfigError(
-            f"cannot load --tls-cert {config.tls_cert} with --tls-key {config.tls_key}: {_ssl_reason(exc)}"
-        ) from None
-    if config.tls_client_ca is not None:
-        try:
-            context.load_verify_locations(cafile=config.tls_client_ca)
-        except (OSError, ValueError) as exc:
-            raise TLSConfigError(f"cannot load --tls-client-ca {config.tls_client_ca}: {_ssl_reason(exc)}") from None
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context
-
-
 def handler_options(config: HubConfig) -> dict[str, Any]:
-    """Keyword arguments of aiohttp's connection handler for ``config``."""
+    """Keyword arguments of aiohttp's connection handler for `config`."""
     return {
         "keepalive_timeout": config.keepalive_timeout_s,
         "max_line_size": config.max_request_line_bytes,
@@ -168,85 +112,6 @@ def parser_reason(exc: HttpProcessingError) -> str:
     if type(exc) is BadHttpMessage and message.isprintable() and "b'" not in message and len(message) <= 100:
         return message  # one of the pure-Python parser's fixed texts ("Too many headers received")
     return "malformed request"
-
-
-# --------------------------------------------------------------- access log
-
-
-def log_access(request: web.BaseRequest, identity: str, status: str, body_bytes: int, duration_s: float) -> None:
-    """One access-log line: client address, identity (a token's NAME, a
-    client certificate's cn=..., or -), request line, status, body bytes,
-    seconds. Never a token: the query is left out unless it is the protocol's (see
-    ``loggable_target``), and headers are not logged."""
-    if not ACCESS_LOG.isEnabledFor(logging.INFO):
-        return
-    version = request.version
-    ACCESS_LOG.info(
-        '%s %s "%s %s HTTP/%d.%d" %s %d %.6f',
-        request.remote or "-",
-        identity,
-        printable(request.method, 20),
-        loggable_target(request),
-        version.major,
-        version.minor,
-        status,
-        body_bytes,
-        duration_s,
-    )
-
-
-def _identity(request: web.BaseRequest) -> str:
-    return request.get(IDENTITY_KEY) or client_cert_name(request) or "-"
-
-
-def _body_bytes(request: web.Request, response: web.StreamResponse) -> int:
-    if request.method == hdrs.METH_HEAD:
-        return 0
-    if response.content_length is not None:
-        return response.content_length
-    return request.get(BODY_BYTES_KEY, 0)
-
-
-def make_observe_middleware(
-    metrics: HubMetrics, access_log: bool = True
-) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """The outermost middleware: sends the response, then records it (and
-    writes its access-log line if ``access_log``)."""
-
-    @web.middleware
-    async def observe_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        started = time.monotonic()
-        connection = request.protocol if isinstance(request.protocol, HubRequestHandler) else None
-        if connection is not None:
-            connection.request_started()
-        status = STATUS_CLIENT_CLOSED
-        body_bytes = 0
-        try:
-            response = await handler(request)
-            await response.prepare(request)
-            await response.write_eof()
-            status = str(response.status)
-            body_bytes = _body_bytes(request, response)
-            return response
-        except (ConnectionError, asyncio.CancelledError):
-            raise
-        except TimeoutError as exc:
-            # ETIMEDOUT from the socket: the kernel gave up on a client that
-            # accepted no data for --send-timeout. It went away, in effect.
-            LOG.info("cut the response to %s: it accepted no data for --send-timeout", request.remote)
-            raise ConnectionResetError("send timeout") from exc
-        except Exception:
-            status = "500"
-            raise
-        finally:
-            duration_s = time.monotonic() - started
-            metrics.observe_request(endpoint_of(request), status, duration_s, body_bytes)
-            if access_log:
-                log_access(request, _identity(request), status, body_bytes, duration_s)
-            if connection is not None:
-                connection.request_finished()
-
-    return observe_middleware
 
 
 # --------------------------------------------------------------- connections
@@ -301,7 +166,7 @@ class ConnectionLimits:
         self._refused_since_log += 1
         now = time.monotonic()
         if self._refusal_logged_at is None or now - self._refusal_logged_at >= _REFUSAL_LOG_INTERVAL_S:
-            LOG.warning("refusing connections: %s (%d refused since the last report)", why, self._refused_since_log)
+            log.warning("refusing connections: %s (%d refused since the last report)", why, self._refused_since_log)
             self._refusal_logged_at = now
             self._refused_since_log = 0
 
@@ -385,7 +250,7 @@ class HubRequestHandler(RequestHandler):
                 ssl_handshake_timeout=self._limits.header_timeout_s,
             )
         except Exception as exc:  # the handshake failed or timed out; the transport is closed
-            LOG.debug("TLS handshake with %s failed: %s", self._client, exc)
+            log.debug("TLS handshake with %s failed: %s", self._client, exc)
         finally:
             if tls_transport is None or self._lost:
                 self._release()
@@ -435,14 +300,14 @@ class HubRequestHandler(RequestHandler):
             raise ConnectionError("client went away or response already started")
         if isinstance(exc, HttpProcessingError):
             reason = parser_reason(exc)
-            LOG.info("malformed request from %s: %s", request.remote, reason)
+            log.info("malformed request from %s: %s", request.remote, reason)
             response = json_error(status, f"bad request: {reason}")
             body_bytes = response.content_length or 0
             self._limits.metrics.observe_request(ENDPOINT_MALFORMED, str(status), 0.0, body_bytes)
             if self._limits.access_log:
                 log_access(request, "-", str(status), body_bytes, 0.0)
         else:
-            LOG.error("error answering a request from %s", request.remote, exc_info=exc)
+            log.error("error answering a request from %s", request.remote, exc_info=exc)
             response = json_error(status, "internal server error" if status >= 500 else "bad request")
         response.headers[hdrs.SERVER] = SERVER_HEADER
         response.force_close()
@@ -465,7 +330,7 @@ class HubRequestHandler(RequestHandler):
         if self._in_request or transport is None:
             return
         self._limits.metrics.header_timeouts.inc()
-        LOG.info(
+        log.info(
             "closing connection from %s: no complete request head within %g s",
             _peer(transport),
             self._limits.header_timeout_s,
@@ -483,7 +348,7 @@ class HubRequestHandler(RequestHandler):
 
 def _set_send_timeout(transport: asyncio.BaseTransport, timeout_ms: int) -> None:
     """Have the kernel abort the connection once sent data stays
-    unacknowledged (or the peer's window stays shut) for ``timeout_ms``."""
+    unacknowledged (or the peer's window stays shut) for `timeout_ms`."""
     option = getattr(socket, "TCP_USER_TIMEOUT", None)
     sock = transport.get_extra_info("socket")
     if option is None or sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
@@ -491,7 +356,7 @@ def _set_send_timeout(transport: asyncio.BaseTransport, timeout_ms: int) -> None
     try:
         sock.setsockopt(socket.IPPROTO_TCP, option, timeout_ms)
     except OSError as exc:
-        LOG.debug("cannot set TCP_USER_TIMEOUT: %s", exc)
+        log.debug("cannot set TCP_USER_TIMEOUT: %s", exc)
 
 
 def _peer_address(transport: asyncio.BaseTransport) -> tuple[str, int] | None:
@@ -522,7 +387,7 @@ class AcceptErrorReporter:
         self._since_log += 1
         now = time.monotonic()
         if self._logged_at is None or now - self._logged_at >= _REFUSAL_LOG_INTERVAL_S:
-            LOG.warning(
+            log.warning(
                 "cannot accept connections: %s (%d failed accepts since the last report); "
                 "new connections wait until descriptors are free",
                 exc.strerror or exc,
@@ -539,8 +404,8 @@ async def start_server(
     sock: Any,
     ssl_context: ssl.SSLContext | None,
 ) -> asyncio.Server:
-    """Listen on ``sock`` with a HubRequestHandler per connection. The
-    caller closes the returned server before ``runner.cleanup()``, which
+    """Listen on `sock` with a HubRequestHandler per connection. The
+    caller closes the returned server before `runner.cleanup()`, which
     then shuts the open connections down."""
     server = runner.server
     assert server is not None, "runner.setup() first"

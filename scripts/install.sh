@@ -92,6 +92,7 @@ if [ "$role" != spoke ]; then
 fi
 if [ "$role" != hub ]; then
     install_with_prefix "$systemd/cachefs@.service" /etc/systemd/system/cachefs@.service 0644
+    install_with_prefix "$systemd/cachefs-nfs@.service" /etc/systemd/system/cachefs-nfs@.service 0644
     install_with_prefix "$root/deploy/mount.cachefs" "$sbin_dir/mount.fuse.cachefs" 0755
     ln -sfn mount.fuse.cachefs "$sbin_dir/mount.cachefs"
 fi

@@ -198,3 +198,33 @@ def test_both_commands_tell_their_version(module: str, name: str) -> None:
                             env=hub_env(), check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"{name} {cachefs.__version__}\n"
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--tier", "http://tier-0:8470", "--tier", "http://tier-0:8470"], "--tier http://tier-0:8470 is given twice"),
+        (["--tier", "http://hub:8470"], "is the hub itself"),
+        (["--tier", "ftp://tier-0"], "expected http"),
+        (["--tier", "http://tier-0:8470", "--tier-slice", "1000K"], "invalid --tier-slice"),
+    ],
+)
+def test_bad_tier_options(tmp_path: Path, args: list[str], fragment: str) -> None:
+    (tmp_path / "mnt").mkdir()
+    result = run_cachefs("mount", "http://hub:8470", tmp_path / "mnt", "--cache-dir", tmp_path / "c", *args)
+    assert_clean_failure(result, fragment)
+
+
+def test_a_token_to_tier_nodes_over_plain_http_is_warned_about(tmp_path: Path) -> None:
+    """The token goes to the tier's nodes too (they pass it to the hub): each one over http is named."""
+    token_file = tmp_path / "token"
+    token_file.write_text("spoke-token-0123456789abcdef\n")
+    token_file.chmod(0o600)
+    (tmp_path / "mnt").mkdir()
+    node = f"http://127.0.0.1:{free_port()}"
+    result = run_cachefs("mount", "https://127.0.0.1:1", tmp_path / "mnt", "--cache-dir", tmp_path / "c",
+                         "--token-file", token_file, "--tier", node, "--tier", "https://127.0.0.1:2")
+    assert result.returncode != 0
+    (warning,) = [line for line in result.stderr.splitlines() if "the hub token goes to" in line]
+    assert f"goes to {node} unencrypted" in warning
+    assert "spoke-token" not in result.stderr

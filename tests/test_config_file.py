@@ -53,3 +53,15 @@ def test_hub_config_file_options_apply(dataset: Path, tmp_path: Path) -> None:
     bad.write_text('rot = "/srv"\n')
     result = run_hub_cli(["serve", "--config", str(bad)])
     assert result.returncode == 1 and "unknown option 'rot'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_list_in_a_config_file_gives_its_option_once_per_item(tmp_path: Path) -> None:
+    from cachefs.cli.commands import build_parser
+    from cachefs.config_file import with_config_file
+
+    config = tmp_path / "cachefs.toml"
+    config.write_text('tier = ["http://tier-0:8470", "http://tier-1:8470"]\n')
+    command_line = ["mount", "http://hub:8470", "/mnt", "--cache-dir", "/c", "--config", str(config)]
+    argv = with_config_file(command_line, build_parser(), "mount")
+    assert argv[:5] == ["mount", "--tier", "http://tier-0:8470", "--tier", "http://tier-1:8470"]
+    assert build_parser().parse_args(argv).tier == ["http://tier-0:8470", "http://tier-1:8470"]

@@ -397,6 +397,16 @@ def test_mount_helper_translates_fstab_options(tmp_path: Path) -> None:
     assert not (tmp_path / "mnt").exists()
 
 
+def test_mount_helper_passes_every_tier_node_in_order(tmp_path: Path) -> None:
+    """tier=URL names one node each time: all of them are passed on, in their order."""
+    options = "cache_dir=/c,tier=http://tier-1:8470,tier_slice=256K,tier=http://tier-0:8470,tier=http://tier-2:8470"
+    result = run_helper("-f", "-v", "http://hub:8470", tmp_path / "mnt", "-o", options)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith(
+        "--cache-dir /c --tier http://tier-1:8470 --tier http://tier-0:8470 --tier http://tier-2:8470 --tier-slice 256K"
+    )
+
+
 def test_mount_helper_knows_every_cachefs_mount_option() -> None:
     """Each `cachefs mount` option has its fstab form (but the ones that make
     no sense for mount(8): --foreground, the mountpoint, the hub)."""
@@ -849,14 +859,15 @@ def test_kubernetes_scrape_job_uses_the_alert_job_names() -> None:
     assert {job["job_name"] for job in static} == jobs
 
 
-# -- the README ---------------------------------------------------------------------
+# -- the operator docs --------------------------------------------------------------
 
 
-def test_readme_operations_names_existing_files() -> None:
-    readme = (REPO_ROOT / "README.md").read_text()
-    operations = readme[readme.index("\n## Operations") :]
-    for path in set(re.findall(r"(?<![\w/.-])((?:deploy|systemd)/[\w./@-]+\w)", operations)):
-        assert (REPO_ROOT / path).exists(), path
+def test_operator_docs_name_existing_files_and_explain_every_alert() -> None:
+    docs = {name: (REPO_ROOT / "docs" / name).read_text() for name in ("operations.md", "monitoring.md")}
+    for name, text in docs.items():
+        for path in set(re.findall(r"(?<![\w/.-])((?:deploy|systemd)/[\w./@-]+\w)", text)):
+            assert (REPO_ROOT / path).exists(), f"docs/{name} names a missing {path}"
+    alerts_section = docs["monitoring.md"][docs["monitoring.md"].index("\n## Alerts") :]
     for alert in alert_rules():
-        assert alert["alert"] in operations, f"README does not explain {alert['alert']}"
+        assert f"`{alert['alert']}`" in alerts_section, f"docs/monitoring.md does not explain {alert['alert']}"
 

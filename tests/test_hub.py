@@ -28,7 +28,9 @@ from hub_helpers import http_get as get
 
 from cachefs.db import open_namespace_db
 from cachefs.namespace.tree import load_manifest
-from hubserver.manifest import ManifestWriter, check_unchanged, header_line, scan
+from hubserver.files import check_unchanged
+from hubserver.manifest import ManifestWriter, header_line
+from hubserver.scan import scan
 
 pytestmark = pytest.mark.timeout(60)
 

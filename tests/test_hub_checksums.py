@@ -22,8 +22,9 @@ from cachefs.cache import BlockKey
 from cachefs.config import parse_hub_url
 from cachefs.fetch.hub_checksums import BlockChecksums
 from cachefs.fetch.hub_client import HubClient
-from hubserver.checksums import ChecksumCache, RequestAbandoned, SumsAsked
-from hubserver.manifest import scan
+from hubserver.checksums import ChecksumCache, SumsAsked
+from hubserver.errors import RequestAbandoned
+from hubserver.scan import scan
 
 KiB = 1024
 

@@ -3,15 +3,13 @@ interface, then the counters read back from /metrics."""
 
 from __future__ import annotations
 
-import gzip
-import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from hub_helpers import HubProcess, http_get, raw_exchange, running_hub, sample, scrape_metrics
+from hub_helpers import HubProcess, fetch_manifest, http_get, raw_exchange, running_hub, sample, scrape_metrics
 
 from hubserver.app import METRICS_KEY, make_app
 from hubserver.config import HubConfig
@@ -37,13 +35,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     (root / "sub").mkdir()
     (root / "sub" / "small.txt").write_bytes(b"small\n")
     with running_hub(root) as hub:
-        reply = http_get(hub, "/v1/manifest")
-        assert reply.status == 200
-        entries = [json.loads(line) for line in gzip.decompress(reply.body).splitlines()[1:]]
-        files = {e["i"]: e for e in entries if e["k"] == "f"}
+        manifest = fetch_manifest(hub)
+        files = {e["i"]: e for e in manifest.files().values()}
         contents = {i: (root / e["p"]).read_bytes() for i, e in files.items()}
         versions = {i: e["v"] for i, e in files.items()}
-        yield Served(hub, contents, versions, len(reply.body))
+        yield Served(hub, contents, versions, len(manifest.reply.body))
 
 
 def test_counters_labels_and_byte_totals(served: Served) -> None:

@@ -48,10 +48,11 @@ from hub_helpers import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hubserver.auth import RefusalLog, TokenFileError, TokenStore, read_token_file
+from hubserver.auth import RefusalLog, TokenStore, read_token_file
 from hubserver.beneath import open_beneath, open_walking
 from hubserver.cli import exposure_warning, main
 from hubserver.clients import client_of
+from hubserver.errors import TokenFileError
 
 pytestmark = pytest.mark.timeout(60)
 

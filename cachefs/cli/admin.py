@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import sys
@@ -14,6 +15,17 @@ from ..config import format_size
 from ..control import server as control
 from ..errors import CachefsError, UsageError
 from ..fs.mountpoints import FSTYPE, find_mount, list_mounts
+from .export import (
+    SQUASH_MODES,
+    ExportConfig,
+    build_fsid_shim,
+    check_exportable,
+    ganesha_command,
+    ganesha_config,
+    ganesha_environment,
+    parse_clients,
+    parse_protocols,
+)
 
 STATS_XATTR = "user.cachefs.stats"
 
@@ -37,6 +49,35 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
     refresh = commands.add_parser("refresh", help="move a mount to the hub's newest snapshot")
     refresh.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path)
 
+    export = commands.add_parser(
+        "export", help="export a mount read-only over NFSv3/v4 with NFS-Ganesha (print its config, or run it)"
+    )
+    export.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path, help="a cachefs mount made with --allow-other")
+    export.add_argument(
+        "--clients", required=True, metavar="LIST", help="who may mount: IP addresses, CIDR networks or '*', comma-separated"
+    )
+    export.add_argument("--protocols", default="3,4", metavar="LIST", help="NFS versions: 3, 4 or 3,4 (default: 3,4)")
+    export.add_argument("--pseudo", default="", metavar="PATH", help="the NFSv4 path (default: the mountpoint's path)")
+    export.add_argument("--export-id", type=int, default=1, metavar="N", help="Ganesha's export id (default: 1)")
+    export.add_argument("--squash", choices=SQUASH_MODES, default="root_squash", help="client uids mapped to nobody")
+    export.add_argument("--nfs-port", type=int, default=2049, metavar="PORT", help="(default: 2049)")
+    export.add_argument("--mount-port", type=int, default=20048, metavar="PORT", help="NFSv3 mountd (default: 20048)")
+    export.add_argument("--bind", metavar="ADDRESS", help="listen on this address only (default: all)")
+    export.add_argument(
+        "--grace-period", type=int, default=40, metavar="SECONDS",
+        help="after a restart, NFSv4 clients reclaim their opens for this long (0: none; default: 40)",
+    )
+    export.add_argument(
+        "--state-dir", type=Path, default=Path("/var/lib/cachefs/nfs"), metavar="DIR",
+        help="NFSv4 client records and the written config (default: /var/lib/cachefs/nfs)",
+    )
+    export.add_argument("--run", action="store_true", help="write the config into --state-dir and run Ganesha in the foreground")
+    export.add_argument(
+        "--no-stable-handles", action="store_true",
+        help="with --run: do not build and preload the shim that keeps NFS handles valid across a remount of the "
+        "spoke (it needs a C compiler)",
+    )
+
     stats = commands.add_parser("stats", help="show cache statistics of a mount")
     stats.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path)
     stats.add_argument("--json", action="store_true", help="machine-readable output")
@@ -45,6 +86,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
 def run(args: argparse.Namespace) -> int:
     command = {
         "warm": _warm, "unpin": _unpin, "evict": _evict, "purge": _purge, "stats": _stats, "refresh": _refresh,
+        "export": _export,
     }[args.command]
     return command(args)
 
@@ -189,6 +231,10 @@ def _stats(args: argparse.Namespace) -> int:
         ("evicted blocks", str(stats["evicted_blocks"])),
         ("not admitted", str(stats["rejected_blocks"])),
     ]
+    if stats.get("tier_requests"):  # mounted with --tier
+        answered, failed = stats["tier_requests"], stats["tier_failovers"]
+        rows.append(("tier requests", ", ".join(f"{node} {count}" for node, count in answered.items())))
+        rows.append(("tier failovers", ", ".join(f"{node} {count}" for node, count in failed.items())))
     for name, used in sorted(stats.get("usage_by_top_level_bytes", {}).items()):
         rows.append((f"  {name}/", format_size(used)))
     training = stats.get("training")
@@ -264,3 +310,48 @@ class _ProgressPrinter:
     def finish(self) -> None:
         if self._tty:
             sys.stderr.write("\n")
+
+
+# -- export -----------------------------------------------------------------------
+
+
+def _export(args: argparse.Namespace) -> int:
+    mountpoint = Path(os.path.abspath(args.mountpoint))
+    check_exportable(mountpoint)
+    for option, port in (("--nfs-port", args.nfs_port), ("--mount-port", args.mount_port)):
+        if not 0 < port < 65536:
+            raise UsageError(f"invalid {option} {port}: 1 to 65535")
+    if args.bind is not None:
+        try:
+            ipaddress.ip_address(args.bind)
+        except ValueError:
+            raise UsageError(f"invalid --bind {args.bind!r}: an IP address") from None
+    if not 0 <= args.grace_period <= 3600 or not 0 < args.export_id < 65536:
+        raise UsageError("--grace-period is 0 to 3600 seconds, --export-id 1 to 65535")
+    config = ExportConfig(
+        mountpoint=mountpoint,
+        clients=parse_clients(args.clients),
+        protocols=parse_protocols(args.protocols),
+        pseudo=args.pseudo,
+        export_id=args.export_id,
+        squash=args.squash,
+        nfs_port=args.nfs_port,
+        mount_port=args.mount_port,
+        bind_addr=args.bind,
+        grace_period_s=args.grace_period,
+        state_dir=Path(os.path.abspath(args.state_dir)),
+    )
+    text = ganesha_config(config)
+    if not args.run:
+        sys.stdout.write(text)
+        return 0
+    try:
+        config.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        config_file = config.state_dir / "ganesha.conf"
+        config_file.write_text(text)
+    except OSError as exc:
+        raise UsageError(f"cannot write the config into {config.state_dir}: {exc.strerror}") from None
+    command = ganesha_command(config_file, config.state_dir / "ganesha.pid")
+    shim = None if args.no_stable_handles else build_fsid_shim(config.state_dir)
+    print(f"cachefs: exporting {mountpoint} read-only over NFSv{'/v'.join(map(str, config.protocols))}", file=sys.stderr)
+    os.execve(command[0], command, ganesha_environment(mountpoint, shim))

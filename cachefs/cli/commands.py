@@ -27,9 +27,11 @@ from ..config import (
     parse_listen,
     parse_mode,
     parse_size,
+    parse_tier,
     parse_user,
     read_token,
     validate_block_size,
+    validate_tier_slice,
 )
 from ..config_file import ConfigFileError, with_config_file
 from ..errors import CachefsError, UsageError
@@ -89,6 +91,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--token-file", type=Path, metavar="FILE",
         help=f"bearer token for the hub, in a file of mode 0600 (or set ${TOKEN_ENV}); never on the command line",
     )
+    mount.add_argument(
+        "--tier", action="append", metavar="URL",
+        help="a node of the region's nginx tier (deploy/nginx/regional-cache.conf), once per node, in the same order "
+        "on every spoke: file data comes from the node owning each slice, the next if it fails, last the hub "
+        "(docs/regional-tier.md; default: straight from the hub)",
+    )
+    mount.add_argument(
+        "--tier-slice", default="1M",
+        help="the tier nodes' nginx `slice` size: each slice is asked of one node (default: 1M)",
+    )
     mount.add_argument("--ca-file", type=Path, metavar="FILE", help="CA bundle to verify an https hub with (default: system CAs)")
     mount.add_argument("--tls-cert", type=Path, metavar="FILE", help="client certificate for hubs that require mutual TLS")
     mount.add_argument("--tls-key", type=Path, metavar="FILE", help="private key of --tls-cert")
@@ -110,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--passthrough", action="store_true",
         help="let the kernel read whole, verified cached files straight from the cache (FUSE passthrough: local disk "
         "speed, but without a checksum check per read); default: the daemon serves and checks every read",
+    )
+    mount.add_argument(
+        "--nfs-export", action="store_true",
+        help="for a mount served over NFS (`cachefs export`): a file changed by a refresh gets new file handles, its "
+        "old ones answer ESTALE; default: files open before a refresh keep reading their version",
     )
     mount.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground and log to stderr")
     mount.add_argument("--debug", action="store_true", help="verbose logging")
@@ -182,8 +199,9 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
         raise UsageError("--readahead-blocks and --prefetch-siblings must not be negative")
     for option in ("fetch_timeout", "refresh_interval", "manifest_wait", "mount_timeout"):
         _check_seconds(option, getattr(args, option))
+    hub_url = parse_hub_url(args.hub_url)
     return MountConfig(
-        hub_url=parse_hub_url(args.hub_url),
+        hub_url=hub_url,
         mountpoint=Path(os.path.abspath(args.mountpoint)),
         cache_dir=Path(os.path.abspath(args.cache_dir)),
         cache_size_bytes=parse_size(args.cache_size),
@@ -193,6 +211,8 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
         sibling_prefetch_files=args.prefetch_siblings,
         refresh_interval_s=args.refresh_interval,
         manifest_wait_s=args.manifest_wait,
+        tier_urls=parse_tier(args.tier, hub_url),
+        tier_slice_bytes=validate_tier_slice(parse_size(args.tier_slice)),
         metrics_listen=parse_listen(args.metrics_listen) if args.metrics_listen else None,
         token=read_token(args.token_file) if args.token_file else os.environ.get(TOKEN_ENV) or None,
         ca_file=args.ca_file,
@@ -204,6 +224,7 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
         gid=parse_group(args.gid) if args.gid is not None else None,
         file_mode=parse_mode(args.file_mode) if args.file_mode is not None else None,
         dir_mode=parse_mode(args.dir_mode) if args.dir_mode is not None else None,
+        nfs_export=args.nfs_export,
         passthrough=args.passthrough,
         foreground=args.foreground,
         debug=args.debug,
@@ -252,11 +273,12 @@ def _warn_if_token_in_clear(config: MountConfig) -> None:
     A loopback hub URL is warned about too: the spoke cannot tell a hub on this
     host from a forwarder (socat, a sidecar) that carries the token on in clear.
     """
-    if config.token and not config.hub_url.tls:
+    in_clear = [str(url) for url in (config.hub_url, *config.tier_urls) if not url.tls]
+    if config.token and in_clear:
         log.warning(
             "the hub token goes to %s unencrypted: anyone on the network path can read and reuse it, and can "
             "change the data in transit (the block checksums come over the same connection, so they do not "
-            "catch that); use an https:// hub URL", config.hub_url,
+            "catch that); use https:// URLs", ", ".join(in_clear),
         )
 
 

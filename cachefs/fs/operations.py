@@ -120,6 +120,7 @@ class CachefsOperations(pyfuse3.Operations):
         ownership: Ownership,
         attr_timeout_s: float,
         stats_json: Callable[[], dict[str, Any]],
+        version_generations: bool = False,
     ) -> None:
         super().__init__()
         self._namespace = namespace
@@ -130,6 +131,7 @@ class CachefsOperations(pyfuse3.Operations):
         self.stats = stats
         self._ownership = ownership
         self._attr_timeout_s = attr_timeout_s
+        self._version_generations = version_generations
         self._stats_json = stats_json
         self._handles = handles
         self._cached_handles: set[int] = set()  # read through the kernel's page cache (PageCacheVersions)
@@ -158,6 +160,9 @@ class CachefsOperations(pyfuse3.Operations):
         attr.st_blocks = (inode.size + 511) // 512
         attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = inode.mtime_ns
         attr.attr_timeout = attr.entry_timeout = self._attr_timeout_s
+        if self._version_generations and inode.is_file:
+            # A new version is a new file to the kernel: its handles of the old one turn stale.
+            attr.generation = int.from_bytes(inode.version[:4], "big")
         return attr
 
     @_guarded
@@ -258,6 +263,9 @@ class CachefsOperations(pyfuse3.Operations):
         handle = self._handles.get(fh)
         if handle is None:
             raise pyfuse3.FUSEError(errno.EBADF)
+        if self._version_generations and self._replaced(handle.inode):
+            # An NFS server's handle of a version a refresh replaced: stale, never read beside new attributes.
+            raise pyfuse3.FUSEError(errno.ESTALE)
         started = time.monotonic()
         inode = handle.inode
         block_size = self._reader.block_size
@@ -278,6 +286,10 @@ class CachefsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EIO) from None
         finally:
             READ_DURATION.observe(time.monotonic() - started)
+
+    def _replaced(self, inode: Inode) -> bool:
+        current = self._namespace.get(inode.ino)
+        return current is None or current.version != inode.version
 
     @_guarded
     async def release(self, fh: int) -> None:
