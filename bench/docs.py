@@ -29,7 +29,6 @@ from cachefs.bench import report
 BEGIN = "<!-- bench:begin {key} -->"
 END = "<!-- bench:end -->"
 BLOCK_RE = re.compile(r"<!-- bench:begin (?P<key>[A-Za-z0-9_.-]+) -->\n.*?<!-- bench:end -->", re.DOTALL)
-STARTED_RE = re.compile(r"\d{8}-\d{6}")
 DOCS_DIR = Path(__file__).resolve().parents[1] / "docs"
 # The options of `python -m bench` that name directories of one machine: shown as these words.
 PATH_OPTIONS = {"--dataset-dir": "DATASET_DIR", "--work-dir": "WORK_DIR", "--results-dir": "RESULTS_DIR"}
@@ -90,10 +89,15 @@ def validate(results: Any) -> dict[str, Any]:
     for key, kind in expected.items():
         if not isinstance(results.get(key), kind):
             raise MalformedResults(f"{key!r} missing or not a {getattr(kind, '__name__', 'number')}")
-    if not results["command"].startswith("python -m "):
-        raise MalformedResults("'command' is not a `python -m bench` command line")
-    if not STARTED_RE.fullmatch(results["started"]):
-        raise MalformedResults("'started' is not YYYYMMDD-HHMMSS")
+    try:
+        if shlex.split(results["command"])[:2] != ["python", "-m"]:
+            raise ValueError
+    except ValueError:
+        raise MalformedResults("'command' is not a `python -m bench` command line") from None
+    try:
+        datetime.datetime.strptime(results["started"], "%Y%m%d-%H%M%S")
+    except ValueError:
+        raise MalformedResults("'started' is not a time as YYYYMMDD-HHMMSS") from None
     for key in ("shard_count", "shard_bytes", "small_files", "small_dirs", "small_mean_bytes"):
         if not isinstance(results["dataset"].get(key), int):
             raise MalformedResults(f"'dataset' has no integer {key!r}")

@@ -45,6 +45,7 @@ MALFORMED = {
     "not an object": "[1, 2]",
     "no scenarios": json.dumps({"command": "python -m bench", "started": "20261201-110308"}),
     "bad date": None,  # a committed run with its date replaced
+    "bad command": None,  # a committed run whose command line has an unclosed quote
     "scenario without workloads": None,  # a committed run whose first scenario lost its results' workloads
 }
 
@@ -54,7 +55,9 @@ def _malformed(kind: str) -> str:
         return text
     results = json.loads(RESULTS[0].read_text())
     if kind == "bad date":
-        results["started"] = "yesterday"
+        results["started"] = "20261399-110308"
+    elif kind == "bad command":
+        results["command"] += " --spoke-args '--passthrough"
     else:
         del results["scenarios"][0]["results"]["workloads"]
     return json.dumps(results)
