@@ -6,8 +6,9 @@
 Builds a dataset, starts a hub and a static HTTP server (for the peers),
 puts the WAN emulator in front of them, and runs `cachefs bench` on every
 scenario. Prints Markdown tables; writes bench-results/<timestamp>/
-results.json and loader-timeline.png. Everything it starts is stopped and
-unmounted on exit, also on failure or Ctrl-C.
+results.json and loader-timeline.png, and with --write-docs the run's
+section of docs/performance.md (bench/docs.py). Everything it starts is
+stopped and unmounted on exit, also on failure or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -30,10 +31,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from cachefs.bench import report
 from cachefs.config import parse_size
 
-from . import side_by_side, targets
+from . import docs, targets
 from .dataset import FULL_SPEC, QUICK_SPEC, DatasetSpec, build_dataset
 from .harness import LINKS, PEERS, Bench, RunConfig
 from .plot import plot_loader
@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--spoke-args", default="", help="extra `cachefs mount` options, one quoted string")
     parser.add_argument("--bench-args", default="", help="extra `cachefs bench` options, one quoted string")
     parser.add_argument("--no-install", action="store_true", help="do not apt-get install missing peers")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="copy the results into docs/bench/ and write their section of docs/performance.md")
     parser.add_argument("--keep-work", action="store_true", help="keep the work dir (logs, per-scenario JSON)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
@@ -113,71 +115,36 @@ def ensure_tool(name: str, install: bool) -> str | None:
 
 
 def tool_version(name: str) -> str | None:
+    """The Debian package's version of `name` if it is one, else the first line of `--version` naming it."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        package = subprocess.run(["dpkg-query", "-W", "-f", "${Version}", name], capture_output=True, text=True,
+                                 timeout=30)
+        if package.returncode == 0 and package.stdout.strip():
+            return package.stdout.strip()
     try:
         result = subprocess.run([name, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    lines = (result.stdout or result.stderr).strip().splitlines()
-    return lines[0] if lines else None
+    # httpdirfs prints libfuse's version on stdout and its own on stderr.
+    lines = (result.stdout + "\n" + result.stderr).strip().splitlines()
+    return next((line.strip() for line in lines if name.lower() in line.lower()), lines[0] if lines else None)
 
 
-def checkout_state() -> dict[str, Any] | None:
-    """The commit this checkout is at and the files changed in its work tree (what the spoke and hub ran)."""
-    repo = Path(__file__).resolve().parents[2]
-    try:
-        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=30, check=True).stdout.strip()
-        status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return {"head": head, "modified": [line[3:] for line in status.splitlines()]}
+def machine_facts() -> dict[str, Any]:
+    """What the figures depend on besides the code: cores, their model, memory, kernel."""
+    facts: dict[str, Any] = {"cpus": os.cpu_count(), "kernel": os.uname().release}
+    with contextlib.suppress(OSError):
+        model = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), None)
+        if model:
+            facts["cpu_model"] = " ".join(model.partition(":")[2].split())
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        memory = next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal:"))
+        facts["memory_bytes"] = int(memory.split()[1]) * 1024
+    return facts
 
 
 # -- output -----------------------------------------------------------------------------------
-
-
-def side_by_side_section(scenarios: list[dict[str, Any]]) -> str:
-    """The table of warm reads alternated with local ones, and what it means (empty if none ran)."""
-    table = report.side_by_side_table(scenarios)
-    if not table:
-        return ""
-    return (f"{table}\n\nEach warm cachefs run also reads the seq1 and seq4 files {side_by_side.ROUNDS} times more, "
-            "alternating with the same reads from the local disk, the page cache dropped before each: median "
-            "(range) MB/s. The warm targets are judged on these medians: a virtual machine's disk can read the same "
-            "files at very different speeds minutes apart.\n")
-
-
-def markdown(results: dict[str, Any]) -> str:
-    """The report printed on stdout and meant for docs/performance.md."""
-    spec = results["dataset"]
-    checkout = results.get("checkout") or {}
-    code = f"at {checkout['head']}" if checkout else "checkout unknown"
-    if checkout.get("modified"):
-        code += f" + uncommitted changes in {len(checkout['modified'])} files"
-    parts = [
-        f"Dataset: {spec['shard_count']} shards x {spec['shard_bytes'] / 2**20:g} MiB, "
-        f"{spec['small_files']:,} small files (~{spec['small_mean_bytes'] / 1024:g} KiB) in {spec['small_dirs']} dirs. "
-        f"Machine: {results['machine']['cpus']} cores. cachefs {code}. Wall time {results['wall_s'] / 60:.0f} min. "
-        f"Command: `{results['command']}`",
-        "",
-        report.scenarios_table(results["scenarios"]),
-        "",
-        "Latencies are single-threaded pread p50 / p99. Loader: samples/s (accelerator busy %); epoch 1 of a cold "
-        "run is cold, epoch 2 re-reads the same samples. WAN MB: bytes through the emulator to the spoke (direct: "
-        "bytes the spoke fetched). CPU s/GB: daemon CPU time per GB read by the workloads. * = cut short by its "
-        "time limit, ! = some reads failed.",
-        "",
-        side_by_side_section(results["scenarios"]),
-        report.targets_table(results["targets"]),
-        "",
-        report.ceilings_table(results["link_ceilings"]),
-    ]
-    if results["unavailable"]:
-        parts += ["", "Not measured: " + "; ".join(f"{name}: {why}" for name, why in results["unavailable"].items())]
-    if results.get("plot"):
-        parts += ["", f"Plot: {results['plot']}"]
-    return "\n".join(parts)
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -208,7 +175,6 @@ def run(args: argparse.Namespace) -> int:
             cache_size_bytes=2 * (spec.shard_total_bytes + spec.small_files * spec.small_mean_bytes * 2),
         )
         began = time.monotonic()
-        checkout = checkout_state()
         bench = Bench(config, stack)
         static = bench.start_static()
         bench.run_local()
@@ -219,11 +185,10 @@ def run(args: argparse.Namespace) -> int:
             for key in links if system == "cachefs" else peer_links:
                 bench.run_system(system, None if system == "cachefs" else static, LINKS[key])
         results: dict[str, Any] = {
-            "command": "python -m bench " + shlex.join(sys.argv[1:]),
+            "command": "python -m bench " + shlex.join(docs.public_argv(sys.argv[1:])),
             "started": stamp,
             "wall_s": time.monotonic() - began,
-            "machine": {"cpus": os.cpu_count(), "kernel": os.uname().release},
-            "checkout": checkout,
+            "machine": machine_facts(),
             "dataset": dataclasses.asdict(spec),
             "versions": {peer: tool_version(peer) for peer in PEERS if peer in systems},
             "unavailable": unavailable,
@@ -233,14 +198,16 @@ def run(args: argparse.Namespace) -> int:
             "targets": targets.evaluate(bench.scenarios, ceilings),
         }
     results["plot"] = _plot(results["scenarios"], out_dir)
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    print(markdown(results))
-    print(f"\nResults: {out_dir / 'results.json'}")
+    results_json = out_dir / "results.json"
+    results_json.write_text(json.dumps(results, indent=1) + "\n")
+    print(docs.render_run(results, str(results_json), str(out_dir / results["plot"]) if results["plot"] else None))
+    if args.write_docs:
+        print(f"\nIn the docs: {docs.publish(results_json)}")
     return 0
 
 
 def _plot(scenarios: list[dict[str, Any]], out_dir: Path) -> str | None:
-    """The loader timeline of cachefs at 60 ms / 1 Gbit/s cold, peers and local disk beside it."""
+    """The file name of the loader timeline of cachefs at 60 ms / 1 Gbit/s cold, peers and local disk beside it."""
     main = next((s for s in scenarios if (s["system"], s["link"], s["state"]) == ("cachefs", "capped", "cold")
                  and "results" in s), None)
     if main is None:
@@ -249,7 +216,7 @@ def _plot(scenarios: list[dict[str, Any]], out_dir: Path) -> str | None:
                                                           (s["link"] == "capped" and s["state"] == "cold"
                                                            and s["system"] != "cachefs"))]
     path = plot_loader(main, others, out_dir / "loader-timeline.png")
-    return str(path) if path else None
+    return path.name if path else None  # beside results.json
 
 
 def main(argv: list[str] | None = None) -> int:

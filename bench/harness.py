@@ -145,7 +145,21 @@ def run_workloads(path: Path, scenario: Scenario, config: RunConfig, extra_args:
         raise
     if returncode != 0:
         raise RuntimeError(f"cachefs bench exited {returncode}; see {log_path}")
-    return json.loads(out.read_text())
+    return without_scratch_paths(json.loads(out.read_text()))
+
+
+# Where a run's mounts, caches and dataset were: scratch paths, which the command line already names.
+SCRATCH_KEYS = ("path",)
+STATS_SCRATCH_KEYS = ("cache_dir", "mountpoint")
+
+
+def without_scratch_paths(results: dict[str, Any]) -> dict[str, Any]:
+    """`cachefs bench`'s results without the paths it ran on, which would only name this run's temp dirs."""
+    kept = {key: value for key, value in results.items() if key not in SCRATCH_KEYS}
+    for key in ("stats_before", "stats_after"):
+        if isinstance(kept.get(key), dict):
+            kept[key] = {name: value for name, value in kept[key].items() if name not in STATS_SCRATCH_KEYS}
+    return kept
 
 
 def warm_caps(cold: dict[str, Any] | None) -> list[str]:
