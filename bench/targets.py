@@ -1,4 +1,4 @@
-"""The project's performance targets (issue 3), checked against one run's scenarios."""
+"""The project's performance targets, checked against one run's scenarios."""
 
 from __future__ import annotations
 
