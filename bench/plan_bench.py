@@ -331,7 +331,7 @@ def block_trace(samples: list[tuple[int, int]], orders: list[list[int]], config:
     """The blocks each epoch reads, in order (a sample spanning blocks reads each)."""
     trace = []
     for order in orders:
-        blocks = []
+        blocks: list[int] = []
         for index in order:
             shard, offset = samples[index]
             first, last = offset // config.block_bytes, (offset + config.sample_bytes - 1) // config.block_bytes
@@ -384,7 +384,7 @@ def _row(mode: str, epoch: int, result: EpochResult, before: dict[str, Any], aft
 
     read_bytes = result.samples * config.sample_bytes
     looked_up = delta("block_hits") + delta("block_misses")
-    record = next((r for r in after["training"]["epochs"] if r["epoch"] == epoch), {})
+    record: dict[str, Any] = next((r for r in after["training"]["epochs"] if r["epoch"] == epoch), {})
     return {
         "mode": mode,
         "epoch": epoch,

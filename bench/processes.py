@@ -81,7 +81,7 @@ def wait_for_exit(proc: subprocess.Popen[Any], timeout_s: float) -> None:
 
 
 def python_command(*args: str | os.PathLike[str]) -> list[str]:
-    return [sys.executable, *map(os.fspath, args)]
+    return [sys.executable, *(os.fspath(arg) for arg in args)]
 
 
 # -- servers -------------------------------------------------------------------------

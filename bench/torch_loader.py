@@ -195,9 +195,9 @@ def run_epoch(paths: list[str], config: BenchConfig, planned: bool, pids: dict[s
 
     dataset = make_dataset_class()(paths, config.shard_bytes, config.sample_bytes)
     shuffle = RandomSampler(dataset, generator=torch.Generator().manual_seed(config.seed))
-    sampler = cachefs_plan.PlanSampler(shuffle, reads_of=dataset.reads_of) if planned else shuffle
-    loader = DataLoader(dataset, batch_size=config.batch_size, sampler=sampler, num_workers=config.workers,
-                        persistent_workers=True)
+    planner = cachefs_plan.PlanSampler(shuffle, reads_of=dataset.reads_of) if planned else None
+    loader = DataLoader(dataset, batch_size=config.batch_size, sampler=shuffle if planner is None else planner,
+                        num_workers=config.workers, persistent_workers=True)
     cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     me = os.getpid()
     loader_before = cpu_seconds(me)
@@ -205,9 +205,9 @@ def run_epoch(paths: list[str], config: BenchConfig, planned: bool, pids: dict[s
     handed_over: list[float] = []
     started = time.monotonic()
     batches = iter(loader)  # starts the workers; a PlanSampler hands the plan over from here
-    if planned:
+    if planner is not None:
         def watch() -> None:
-            sampler.wait()
+            planner.wait()
             handed_over.append(time.monotonic() - started)
         threading.Thread(target=watch, daemon=True).start()
     waits, compute_s, samples = [], 0.0, 0
@@ -229,8 +229,8 @@ def run_epoch(paths: list[str], config: BenchConfig, planned: bool, pids: dict[s
     idle_s = machine_idle_s() - idle_before
     del batches, loader  # ends the persistent workers: they hold files in the mount open
     gc.collect()
-    if planned:
-        sampler.close()
+    if planner is not None:
+        planner.close()
     return {
         "samples": samples,
         "wall_s": wall_s,

@@ -32,12 +32,15 @@ import socket
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-try:  # A real torch Sampler when torch is there; nothing is imported otherwise.
-    from torch.utils.data import Sampler as _SamplerBase  # type: ignore[import-not-found]
-except ImportError:
+if TYPE_CHECKING:  # checked as the plain iterable it is, the same with torch installed or not
     _SamplerBase = object
+else:
+    try:  # A real torch Sampler when torch is there; nothing is imported otherwise.
+        from torch.utils.data import Sampler as _SamplerBase
+    except ImportError:
+        _SamplerBase = object
 
 __all__ = ["Plan", "PlanError", "PlanSampler", "find_mount", "mark_epoch", "submit"]
 
@@ -280,7 +283,7 @@ class _Spool:
             self._file.close()
 
 
-class PlanSampler(_SamplerBase):  # type: ignore[misc,valid-type]
+class PlanSampler(_SamplerBase):
     """A sampler that tells cachefs, at the start of each epoch, what the epoch will read.
 
     Wraps any sampler (anything iterable that yields dataset indices; a
@@ -369,7 +372,7 @@ class PlanSampler(_SamplerBase):  # type: ignore[misc,valid-type]
     def _hand_over(self, spool: _Spool, epoch: int, generation: int) -> None:
         """Stream the epoch's reads to the daemon; keep the plan open unless a newer epoch began meanwhile."""
         try:
-            plan = submit((read for index in spool.replay() for read in self.reads_of(index)), epoch=epoch)
+            plan: Plan | None = submit((read for index in spool.replay() for read in self.reads_of(index)), epoch=epoch)
         except (PlanError, OSError, ValueError) as exc:
             with self._lock:
                 current = generation == self._generation

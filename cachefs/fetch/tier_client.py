@@ -128,7 +128,7 @@ class TierClient(HubClient):
             stats.tier_failovers[str(node)] += 0
         stats.tier_requests[HUB] += 0
 
-    @property  # type: ignore[override]
+    @property
     def answers(self) -> int:
         """Responses from the hub and from every node: unchanged, nothing upstream answered (hub_silence.py)."""
         return self._hub_answers + sum(node.answers for node in self._nodes)
