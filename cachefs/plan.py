@@ -34,6 +34,8 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import IO, TYPE_CHECKING, Any
 
+from .fs.mountpoints import FSTYPE, list_mounts
+
 if TYPE_CHECKING:  # checked as the plain iterable it is, the same with torch installed or not
     _SamplerBase = object
 else:
@@ -46,7 +48,6 @@ __all__ = ["Plan", "PlanError", "PlanSampler", "find_mount", "mark_epoch", "subm
 
 log = logging.getLogger(__name__)
 
-FSTYPE = "fuse.cachefs"
 STATS_XATTR = "user.cachefs.stats"
 SOCKET_NAME = "control.sock"
 READS_PER_LINE = 4096
@@ -67,22 +68,11 @@ class PlanError(Exception):
 
 def _cachefs_mountpoints() -> list[str]:
     """Mountpoints of cachefs mounts, longest first (from /proc/self/mountinfo)."""
-    found = []
     try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as table:
-            for line in table:
-                fields = line.split()
-                separator = fields.index("-")
-                if fields[separator + 1] == FSTYPE:
-                    found.append(_unescape(fields[4]))
+        mounts = list_mounts()
     except OSError as exc:
         raise PlanError(f"cannot read the mount table: {exc.strerror}") from None
-    return sorted(found, key=len, reverse=True)
-
-
-def _unescape(field: str) -> str:
-    """mountinfo writes space, tab, newline and backslash as octal escapes."""
-    return field.encode().decode("unicode_escape").encode("latin-1").decode("utf-8", "surrogateescape")
+    return sorted((mount.mountpoint for mount in mounts if mount.fstype == FSTYPE), key=len, reverse=True)
 
 
 def find_mount(path: str | os.PathLike[str], mountpoints: list[str] | None = None) -> tuple[str, str]:
