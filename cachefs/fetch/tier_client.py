@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import TypedDict, TypeVar
 
 import trio
 import xxhash
@@ -81,6 +81,16 @@ def split_at_slices(start: int, lengths: Sequence[int], slice_bytes: int) -> lis
     return parts
 
 
+class _ClientOptions(TypedDict):
+    """HubClient's connection settings, the same for the hub and each node."""
+
+    max_connections: int
+    connect_timeout_s: float
+    read_timeout_s: float
+    token: str | None
+    ssl_context: ssl.SSLContext | None
+
+
 class TierClient(HubClient):
     """A HubClient whose file data and checksums come through the tier's nodes.
 
@@ -101,25 +111,15 @@ class TierClient(HubClient):
         token: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        def client(url: HubURL) -> HubClient:
-            return HubClient(
-                url,
-                max_connections=max_connections,
-                connect_timeout_s=connect_timeout_s,
-                read_timeout_s=read_timeout_s,
-                token=token,  # nginx passes it on to the hub with each miss
-                ssl_context=ssl_context,
-            )
-
-        super().__init__(
-            hub_url,
+        options = _ClientOptions(
             max_connections=max_connections,
             connect_timeout_s=connect_timeout_s,
             read_timeout_s=read_timeout_s,
-            token=token,
+            token=token,  # the nodes too: nginx passes it on to the hub with each miss
             ssl_context=ssl_context,
         )
-        self._nodes = [client(url) for url in node_urls]
+        super().__init__(hub_url, **options)
+        self._nodes = [HubClient(url, **options) for url in node_urls]
         self._slice_bytes = slice_bytes
         self._stats = stats
         self._down_until = [0.0] * len(self._nodes)  # trio time; 0: never failed, or answered since
