@@ -14,7 +14,7 @@ import re
 import ssl
 import zlib
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import h11
 import trio
@@ -151,6 +151,16 @@ class _Response:
     def __init__(self, status: int, headers: dict[bytes, bytes]) -> None:
         self.status = status
         self.headers = headers
+
+
+class ClientOptions(TypedDict):
+    """HubClient's connection settings (a TierClient gives its hub and each node the same)."""
+
+    max_connections: int
+    connect_timeout_s: float
+    read_timeout_s: float
+    token: NotRequired[str | None]
+    ssl_context: NotRequired[ssl.SSLContext | None]
 
 
 class HubClient:
