@@ -29,8 +29,6 @@ import sys
 import time
 from pathlib import Path
 
-from cachefs.processes import wait_for_pid
-
 UNIT_DIR = Path("/etc/systemd/system")
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 60.0
@@ -153,10 +151,16 @@ def stop(name: str, state: Path) -> None:
         argv, ignore = command_line(value, {**environment(keys), "MAINPID": str(pid)})
         if subprocess.run(argv, check=False).returncode != 0 and not ignore:
             fail(f"{name}: ExecStop {shlex.join(argv)} failed")
+    deadline = time.monotonic() + STOP_TIMEOUT_S
     if not keys.get("ExecStop"):
         os.kill(pid, signal.SIGTERM)
-    if not wait_for_pid(pid, STOP_TIMEOUT_S):
-        fail(f"{name} (pid {pid}) did not stop within {STOP_TIMEOUT_S:g} s")
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    fail(f"{name} (pid {pid}) did not stop within {STOP_TIMEOUT_S:g} s")
 
 
 def main(argv: list[str]) -> None:
