@@ -75,11 +75,10 @@ bench: test-setup
 	$(BIN)/pip install -q -e '.[bench]' && $(BIN)/python -m bench $(BENCH_ARGS)
 	$(BIN)/python -m bench.torch_loader $(TORCH_BENCH_ARGS)
 
-# Style (ruff, ASYNC rules included) and types (mypy, strict for the hub). cachefs joins the
-# mypy run once its redesign lands: until then it has type errors of its own.
+# Style (ruff, ASYNC rules included) and types (mypy, strict for the hub and the spoke's packages).
 lint: test-setup
 	$(BIN)/python -m ruff check cachefs hubserver tests scripts examples bench
-	$(BIN)/python -m mypy hubserver
+	$(BIN)/python -m mypy hubserver cachefs bench
 
 install:
 	$(call apt_install,$(INSTALL_PACKAGES_$(ROLE)) $(if $(filter yes,$(PASSTHROUGH)),$(INSTALL_PACKAGES_passthrough)))

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from cachefs import plan as cachefs_plan
+from cachefs.processes import wait_for_pid
 
 log = logging.getLogger(__name__)
 
@@ -129,30 +130,60 @@ class Process:
         self._thread.join(5)
 
 
+def start_hub_behind_wan(stack: contextlib.ExitStack, data_root: Path, work: Path, rtt_ms: float,
+                         rate_mbit: float | None) -> tuple[Process, Process]:
+    """A hub serving data_root and the WAN emulator in front of it, both stopped when `stack` closes."""
+    hub = Process([sys.executable, "-m", "hubserver", "serve", "--root", str(data_root), "--listen", "127.0.0.1:0"],
+                  "cachefs-hub listening on ", work / "hub.log")
+    stack.callback(hub.stop)
+    wan_argv = [sys.executable, "-m", "bench.wan", "--target", hub.url.removeprefix("http://"),
+                "--delay-ms", str(rtt_ms / 2)]
+    if rate_mbit:
+        wan_argv += ["--rate-mbit", str(rate_mbit)]
+    wan = Process(wan_argv, "wan listening on ", work / "wan.log")
+    stack.callback(wan.stop)
+    return hub, wan
+
+
 class Mount:
-    """A cachefs mount made with the CLI, unmounted by `unmount`."""
+    """A cachefs mount made with the CLI on a given cache dir (kept, so a later mount can start warm)."""
 
     def __init__(self, hub_url: str, mountpoint: Path, cache_dir: Path, options: Sequence[str]) -> None:
-        self.mountpoint = mountpoint
+        self.mountpoint, self.cache_dir = mountpoint, cache_dir
         mountpoint.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(cache_dir, ignore_errors=True)
         result = subprocess.run([sys.executable, "-m", "cachefs", "mount", hub_url, str(mountpoint),
                                  "--cache-dir", str(cache_dir), *options],
                                 stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"cachefs mount failed: {result.stderr.strip()}")
+        self.pid = int((cache_dir / "lock").read_text().strip())
 
     def stats(self) -> dict[str, Any]:
-        return json.loads(os.getxattr(self.mountpoint, "user.cachefs.stats"))
+        stats: dict[str, Any] = json.loads(os.getxattr(self.mountpoint, "user.cachefs.stats"))
+        return stats
 
     def unmount(self) -> None:
         result = subprocess.run([sys.executable, "-m", "cachefs", "unmount", str(self.mountpoint)],
                                 stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
-        if result.returncode != 0:  # busy (readers cut short by Ctrl-C): detach it, the daemon then exits
+        if result.returncode != 0:  # busy (readers cut short): detach it, the daemon then exits
             subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True, timeout=30)
+        wait_for_pid(self.pid, 30)
 
 
 # -- the dataset --------------------------------------------------------------------------------
+
+
+def write_shards(directory: Path, count: int, shard_bytes: int, marker: str = MARKER) -> None:
+    """`count` random shards of `shard_bytes` in `directory` (kept when its `marker` file says they are there)."""
+    spec = f"{count} x {shard_bytes}\n"
+    if not (directory / marker).exists() or (directory / marker).read_text() != spec:
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        for index in range(count):
+            with open(directory / f"shard-{index:04d}.bin", "wb") as out:
+                for _ in range(shard_bytes // (4 * MiB)):
+                    out.write(os.urandom(4 * MiB))
+        (directory / marker).write_text(spec)
 
 
 def build_datasets(root: Path, config: BenchConfig) -> dict[float, list[Path]]:
@@ -161,15 +192,7 @@ def build_datasets(root: Path, config: BenchConfig) -> dict[float, list[Path]]:
     for ratio in RATIOS:
         directory = root / f"ratio-{ratio:g}"
         count = max(1, round(ratio * config.cache_bytes / SHARD_BYTES))
-        spec = f"{count} x {SHARD_BYTES}\n"
-        if not (directory / MARKER).exists() or (directory / MARKER).read_text() != spec:
-            shutil.rmtree(directory, ignore_errors=True)
-            directory.mkdir(parents=True)
-            for index in range(count):
-                with open(directory / f"shard-{index:04d}.bin", "wb") as out:
-                    for _ in range(SHARD_BYTES // (4 * MiB)):
-                        out.write(os.urandom(4 * MiB))
-            (directory / MARKER).write_text(spec)
+        write_shards(directory, count, SHARD_BYTES)
         datasets[ratio] = sorted(directory.glob("shard-*.bin"))
     return datasets
 
@@ -331,7 +354,7 @@ def block_trace(samples: list[tuple[int, int]], orders: list[list[int]], config:
     """The blocks each epoch reads, in order (a sample spanning blocks reads each)."""
     trace = []
     for order in orders:
-        blocks = []
+        blocks: list[int] = []
         for index in order:
             shard, offset = samples[index]
             first, last = offset // config.block_bytes, (offset + config.sample_bytes - 1) // config.block_bytes
@@ -346,6 +369,7 @@ def block_trace(samples: list[tuple[int, int]], orders: list[list[int]], config:
 def run_mode(mode: str, hub_url: str, shards: list[Path], relative: str, work: Path, config: BenchConfig,
              ) -> tuple[list[dict[str, Any]], list[list[int]]]:
     mountpoint, cache_dir = work / f"mnt-{mode}", work / f"cache-{mode}"
+    shutil.rmtree(cache_dir, ignore_errors=True)
     mount = Mount(hub_url, mountpoint, cache_dir, [
         "--cache-size", str(config.cache_bytes), "--block-size", str(config.block_bytes), "--fetch-timeout", "60"])
     try:
@@ -384,7 +408,7 @@ def _row(mode: str, epoch: int, result: EpochResult, before: dict[str, Any], aft
 
     read_bytes = result.samples * config.sample_bytes
     looked_up = delta("block_hits") + delta("block_misses")
-    record = next((r for r in after["training"]["epochs"] if r["epoch"] == epoch), {})
+    record: dict[str, Any] = next((r for r in after["training"]["epochs"] if r["epoch"] == epoch), {})
     return {
         "mode": mode,
         "epoch": epoch,
@@ -412,15 +436,7 @@ def run(config: BenchConfig, work: Path, out: Path | None) -> dict[str, Any]:
     datasets = build_datasets(data_root, config)
     results: dict[str, Any] = {"config": dataclasses.asdict(config), "datasets": []}
     with contextlib.ExitStack() as stack:
-        hub = Process([sys.executable, "-m", "hubserver", "serve", "--root", str(data_root), "--listen", "127.0.0.1:0"],
-                      "cachefs-hub listening on ", work / "hub.log")
-        stack.callback(hub.stop)
-        wan_argv = [sys.executable, "-m", "bench.wan", "--target", hub.url.removeprefix("http://"),
-                    "--delay-ms", str(config.rtt_ms / 2)]
-        if config.rate_mbit:
-            wan_argv += ["--rate-mbit", str(config.rate_mbit)]
-        wan = Process(wan_argv, "wan listening on ", work / "wan.log")
-        stack.callback(wan.stop)
+        hub, wan = start_hub_behind_wan(stack, data_root, work, config.rtt_ms, config.rate_mbit)
         for ratio, shards in datasets.items():
             dataset_bytes = sum(shard.stat().st_size for shard in shards)
             entry: dict[str, Any] = {"ratio": ratio, "dataset_bytes": dataset_bytes, "rows": []}

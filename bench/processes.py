@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from cachefs.processes import wait_for_pid
+
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 15.0
@@ -81,7 +83,7 @@ def wait_for_exit(proc: subprocess.Popen[Any], timeout_s: float) -> None:
 
 
 def python_command(*args: str | os.PathLike[str]) -> list[str]:
-    return [sys.executable, *map(os.fspath, args)]
+    return [sys.executable, *(os.fspath(arg) for arg in args)]
 
 
 # -- servers -------------------------------------------------------------------------
@@ -275,13 +277,8 @@ def _log_lines(path: Path) -> list[str]:
 
 
 def _wait_pid_or_kill(pid: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
+    if wait_for_pid(pid, timeout_s):
+        return
     log.warning("daemon pid %d did not exit within %g s; killing it", pid, timeout_s)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)

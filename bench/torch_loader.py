@@ -34,17 +34,15 @@ import math
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from cachefs import plan as cachefs_plan
 
-from .plan_bench import Process
+from .plan_bench import Mount, start_hub_behind_wan, write_shards
 
 log = logging.getLogger(__name__)
 
@@ -111,47 +109,13 @@ def drop_page_cache() -> None:
         control.write("3\n")
 
 
-class Mount:
-    """A cachefs mount made with the CLI on a given cache dir (kept, so a later mount can start warm)."""
-
-    def __init__(self, hub_url: str, mountpoint: Path, cache_dir: Path, options: Sequence[str]) -> None:
-        self.mountpoint, self.cache_dir = mountpoint, cache_dir
-        mountpoint.mkdir(parents=True, exist_ok=True)
-        result = subprocess.run([sys.executable, "-m", "cachefs", "mount", hub_url, str(mountpoint),
-                                 "--cache-dir", str(cache_dir), *options],
-                                stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            raise RuntimeError(f"cachefs mount failed: {result.stderr.strip()}")
-        self.pid = int((cache_dir / "lock").read_text().strip())
-
-    def stats(self) -> dict[str, Any]:
-        return json.loads(os.getxattr(self.mountpoint, "user.cachefs.stats"))
-
-    def unmount(self) -> None:
-        result = subprocess.run([sys.executable, "-m", "cachefs", "unmount", str(self.mountpoint)],
-                                stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
-        if result.returncode != 0:  # busy (a loader cut short): detach it, the daemon then exits
-            subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True, timeout=30)
-        deadline = time.monotonic() + 30
-        while os.path.exists(f"/proc/{self.pid}") and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-
 # -- the dataset and one epoch ------------------------------------------------------------------
 
 
 def build_dataset(root: Path, count: int, shard_bytes: int) -> Path:
     """`count` random shards in root/COUNTxSIZE/ (reused when already there)."""
     directory = root / f"{count}x{shard_bytes // MiB}M"
-    spec = f"{count} x {shard_bytes}\n"
-    if not (directory / MARKER).exists() or (directory / MARKER).read_text() != spec:
-        shutil.rmtree(directory, ignore_errors=True)
-        directory.mkdir(parents=True)
-        for index in range(count):
-            with open(directory / f"shard-{index:04d}.bin", "wb") as out:
-                for _ in range(shard_bytes // (4 * MiB)):
-                    out.write(os.urandom(4 * MiB))
-        (directory / MARKER).write_text(spec)
+    write_shards(directory, count, shard_bytes, MARKER)
     return directory
 
 
@@ -195,9 +159,9 @@ def run_epoch(paths: list[str], config: BenchConfig, planned: bool, pids: dict[s
 
     dataset = make_dataset_class()(paths, config.shard_bytes, config.sample_bytes)
     shuffle = RandomSampler(dataset, generator=torch.Generator().manual_seed(config.seed))
-    sampler = cachefs_plan.PlanSampler(shuffle, reads_of=dataset.reads_of) if planned else shuffle
-    loader = DataLoader(dataset, batch_size=config.batch_size, sampler=sampler, num_workers=config.workers,
-                        persistent_workers=True)
+    planner = cachefs_plan.PlanSampler(shuffle, reads_of=dataset.reads_of) if planned else None
+    loader = DataLoader(dataset, batch_size=config.batch_size, sampler=shuffle if planner is None else planner,
+                        num_workers=config.workers, persistent_workers=True)
     cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     me = os.getpid()
     loader_before = cpu_seconds(me)
@@ -205,9 +169,9 @@ def run_epoch(paths: list[str], config: BenchConfig, planned: bool, pids: dict[s
     handed_over: list[float] = []
     started = time.monotonic()
     batches = iter(loader)  # starts the workers; a PlanSampler hands the plan over from here
-    if planned:
+    if planner is not None:
         def watch() -> None:
-            sampler.wait()
+            planner.wait()
             handed_over.append(time.monotonic() - started)
         threading.Thread(target=watch, daemon=True).start()
     waits, compute_s, samples = [], 0.0, 0
@@ -229,8 +193,8 @@ def run_epoch(paths: list[str], config: BenchConfig, planned: bool, pids: dict[s
     idle_s = machine_idle_s() - idle_before
     del batches, loader  # ends the persistent workers: they hold files in the mount open
     gc.collect()
-    if planned:
-        sampler.close()
+    if planner is not None:
+        planner.close()
     return {
         "samples": samples,
         "wall_s": wall_s,
@@ -297,15 +261,7 @@ def run(config: BenchConfig, work: Path, out: Path | None) -> dict[str, Any]:
     options = ["--cache-size", str(config.cache_bytes), "--block-size", str(config.block_bytes), "--fetch-timeout", "60",
                *config.spoke_args]
     with contextlib.ExitStack() as stack:
-        hub = Process([sys.executable, "-m", "hubserver", "serve", "--root", str(data_root), "--listen", "127.0.0.1:0"],
-                      "cachefs-hub listening on ", work / "hub.log")
-        stack.callback(hub.stop)
-        wan_argv = [sys.executable, "-m", "bench.wan", "--target", hub.url.removeprefix("http://"),
-                    "--delay-ms", str(config.rtt_ms / 2)]
-        if config.rate_mbit:
-            wan_argv += ["--rate-mbit", str(config.rate_mbit)]
-        wan = Process(wan_argv, "wan listening on ", work / "wan.log")
-        stack.callback(wan.stop)
+        hub, wan = start_hub_behind_wan(stack, data_root, work, config.rtt_ms, config.rate_mbit)
         servers = {"hub": hub.proc.pid, "emulator": wan.proc.pid}
         for count, directory in datasets.items():
             order = epoch_order(count * (config.shard_bytes // config.sample_bytes), config.seed)

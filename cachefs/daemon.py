@@ -30,7 +30,7 @@ from .control.server import SOCKET_NAME, ControlServer
 from .db import IndexDb, NamespaceDb, get_meta, open_cache_databases, put_meta
 from .errors import CacheDirInUse, CachefsError, UsageError
 from .fetch.fetcher import Fetcher
-from .fetch.hub_client import HubClient
+from .fetch.hub_client import ClientOptions, HubClient
 from .fetch.tier_client import TierClient
 from .fs.hub_silence import HubSilence
 from .fs.mountpoints import find_mount
@@ -115,7 +115,7 @@ def run_daemon(config: MountConfig, notify: Notify) -> int:
 
 def _hub_client(config: MountConfig, stats: Stats) -> HubClient:
     """The hub, or with --tier the region's nodes in front of it."""
-    options: dict[str, Any] = dict(
+    options = ClientOptions(
         max_connections=config.max_connections,
         connect_timeout_s=config.connect_timeout_s,
         read_timeout_s=config.read_timeout_s,

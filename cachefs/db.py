@@ -210,7 +210,7 @@ def _copy_table(source_env: lmdb.Environment, source: lmdb._Database,
             found = cursor.set_range(after) if after is not None else cursor.first()
             if found and after is not None and cursor.key() == after:
                 found = cursor.next()
-            batch = []
+            batch: list[tuple[bytes, bytes]] = []
             while found and len(batch) < _MOVE_BATCH_ENTRIES:
                 batch.append(cursor.item())
                 found = cursor.next()

@@ -32,18 +32,22 @@ import socket
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-try:  # A real torch Sampler when torch is there; nothing is imported otherwise.
-    from torch.utils.data import Sampler as _SamplerBase  # type: ignore[import-not-found]
-except ImportError:
+from .fs.mountpoints import FSTYPE, list_mounts
+
+if TYPE_CHECKING:  # checked as the plain iterable it is, the same with torch installed or not
     _SamplerBase = object
+else:
+    try:  # A real torch Sampler when torch is there; nothing is imported otherwise.
+        from torch.utils.data import Sampler as _SamplerBase
+    except ImportError:
+        _SamplerBase = object
 
 __all__ = ["Plan", "PlanError", "PlanSampler", "find_mount", "mark_epoch", "submit"]
 
 log = logging.getLogger(__name__)
 
-FSTYPE = "fuse.cachefs"
 STATS_XATTR = "user.cachefs.stats"
 SOCKET_NAME = "control.sock"
 READS_PER_LINE = 4096
@@ -64,22 +68,11 @@ class PlanError(Exception):
 
 def _cachefs_mountpoints() -> list[str]:
     """Mountpoints of cachefs mounts, longest first (from /proc/self/mountinfo)."""
-    found = []
     try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as table:
-            for line in table:
-                fields = line.split()
-                separator = fields.index("-")
-                if fields[separator + 1] == FSTYPE:
-                    found.append(_unescape(fields[4]))
+        mounts = list_mounts()
     except OSError as exc:
         raise PlanError(f"cannot read the mount table: {exc.strerror}") from None
-    return sorted(found, key=len, reverse=True)
-
-
-def _unescape(field: str) -> str:
-    """mountinfo writes space, tab, newline and backslash as octal escapes."""
-    return field.encode().decode("unicode_escape").encode("latin-1").decode("utf-8", "surrogateescape")
+    return sorted((mount.mountpoint for mount in mounts if mount.fstype == FSTYPE), key=len, reverse=True)
 
 
 def find_mount(path: str | os.PathLike[str], mountpoints: list[str] | None = None) -> tuple[str, str]:
@@ -280,7 +273,7 @@ class _Spool:
             self._file.close()
 
 
-class PlanSampler(_SamplerBase):  # type: ignore[misc,valid-type]
+class PlanSampler(_SamplerBase):
     """A sampler that tells cachefs, at the start of each epoch, what the epoch will read.
 
     Wraps any sampler (anything iterable that yields dataset indices; a
@@ -369,7 +362,7 @@ class PlanSampler(_SamplerBase):  # type: ignore[misc,valid-type]
     def _hand_over(self, spool: _Spool, epoch: int, generation: int) -> None:
         """Stream the epoch's reads to the daemon; keep the plan open unless a newer epoch began meanwhile."""
         try:
-            plan = submit((read for index in spool.replay() for read in self.reads_of(index)), epoch=epoch)
+            plan: Plan | None = submit((read for index in spool.replay() for read in self.reads_of(index)), epoch=epoch)
         except (PlanError, OSError, ValueError) as exc:
             with self._lock:
                 current = generation == self._generation

@@ -24,6 +24,8 @@ from typing import Any
 
 from hub_helpers import hub_env
 
+from cachefs.processes import wait_for_pid
+
 MOUNT_TIMEOUT_S = 60.0
 
 
@@ -83,20 +85,8 @@ class SpokeMount:
             _wait_or_kill(self.pid)
 
 
-def wait_until_gone(pid: int, timeout_s: float) -> bool:
-    """Wait (bounded) for a process to exit; True if it did."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def _wait_or_kill(pid: int, timeout_s: float = 15.0) -> None:
-    if wait_until_gone(pid, timeout_s):
+    if wait_for_pid(pid, timeout_s):
         return
     try:
         os.kill(pid, signal.SIGKILL)

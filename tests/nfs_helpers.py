@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from hub_helpers import hub_env
-from mount_helpers import wait_until_gone
+
+from cachefs.processes import wait_for_pid
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 15.0
@@ -113,7 +114,7 @@ class NfsNamespace:
             except subprocess.TimeoutExpired:
                 self._holder.kill()
                 self._holder.wait(STOP_TIMEOUT_S)
-        wait_until_gone(self._holder.pid, STOP_TIMEOUT_S)
+        wait_for_pid(self._holder.pid, STOP_TIMEOUT_S)
 
 
 @contextmanager

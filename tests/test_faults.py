@@ -32,7 +32,6 @@ from mount_helpers import (
     mounted_spoke,
     read_uncached,
     run_cachefs,
-    wait_until_gone,
 )
 
 from cachefs.errors import (
@@ -44,6 +43,7 @@ from cachefs.errors import (
     RemoteFileChanged,
 )
 from cachefs.fs import hub_silence
+from cachefs.processes import wait_for_pid
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ def test_sigkill_in_the_middle_of_filling_leaves_a_consistent_cache(dataset: Pat
             for reader in readers:
                 reader.join(timeout=30)
             assert tally.mismatches == 0
-            assert wait_until_gone(spoke.pid, 30), f"daemon {spoke.pid} survived SIGKILL"
+            assert wait_for_pid(spoke.pid, 30), f"daemon {spoke.pid} survived SIGKILL"
             result = run_cachefs("mount", hub.url, spoke.mountpoint, "--cache-dir", cache_dir, *SPOKE_ARGS)
             assert result.returncode == 0, result.stderr
             spoke.pid = daemon_pid(cache_dir)

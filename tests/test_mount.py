@@ -31,12 +31,12 @@ from mount_helpers import (
     resident_pages,
     run_cachefs,
     wait_for_stats,
-    wait_until_gone,
 )
 
 from cachefs.cache.block_cache import CHUNK_BYTES
 from cachefs.config import READAHEAD_RUNS_IN_FLIGHT, MountConfig, parse_hub_url
 from cachefs.daemon import FUSECTL_DIR
+from cachefs.processes import wait_for_pid
 
 
 def test_every_file_reads_back_identical(spoke: SpokeMount, dataset: Path) -> None:
@@ -619,7 +619,7 @@ def test_unmount_with_read_ahead_in_flight_is_prompt_and_leaves_a_consistent_cac
                 began = time.monotonic()
                 result = run_cachefs("unmount", spoke.mountpoint)
                 assert result.returncode == 0, result.stderr
-                assert spoke.pid is not None and wait_until_gone(spoke.pid, 20.0)
+                assert spoke.pid is not None and wait_for_pid(spoke.pid, 20.0)
                 assert time.monotonic() - began < 10.0
             finally:
                 spoke.unmount()

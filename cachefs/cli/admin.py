@@ -107,7 +107,8 @@ def cachefs_mount(path: Path) -> Path:
 
 def read_stats_xattr(mountpoint: Path) -> dict[str, Any]:
     try:
-        return json.loads(os.getxattr(mountpoint, STATS_XATTR))
+        stats: dict[str, Any] = json.loads(os.getxattr(mountpoint, STATS_XATTR))
+        return stats
     except OSError as exc:
         raise CachefsError(f"cannot reach the daemon of {mountpoint}: {exc.strerror}") from None
 

@@ -36,6 +36,7 @@ from ..config import (
 from ..config_file import ConfigFileError, with_config_file
 from ..errors import CachefsError, UsageError
 from ..fs.mountpoints import lazy_unmount, network_file_system, prepare_mountpoint
+from ..processes import wait_for_pid
 from . import admin as cli_admin
 
 log = logging.getLogger("cachefs")
@@ -452,18 +453,7 @@ def _unmount(args: argparse.Namespace) -> int:
     if result.returncode != 0:
         reason = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "fusermount3 failed"
         raise CachefsError(f"cannot unmount {path}: {reason}")
-    if not _wait_for_exit(pid, args.timeout):
+    if not wait_for_pid(pid, args.timeout):
         raise CachefsError(f"unmounted {path}, but daemon pid {pid} did not exit within {args.timeout:g} s")
     print(f"cachefs: unmounted {path}")
     return 0
-
-
-def _wait_for_exit(pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False

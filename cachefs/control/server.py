@@ -180,7 +180,8 @@ def call(
                     continue
                 if not message.get("ok"):
                     raise CachefsError(message.get("error", "the daemon refused the command"))
-                return message.get("result", {})
+                result: dict[str, Any] = message.get("result", {})
+                return result
     raise CachefsError("the daemon closed the connection without an answer")
 
 

@@ -13,8 +13,8 @@ import logging
 import re
 import ssl
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from typing import Any, NotRequired, TypedDict
 
 import h11
 import trio
@@ -64,7 +64,7 @@ class _Connection:
                 chunk = await self.stream.receive_some(receive_bytes)
             if scope.cancelled_caught:
                 raise HubUnavailable(f"hub sent nothing for {read_timeout_s:g} s")
-            self.h11.receive_data(chunk)
+            self.h11.receive_data(bytes(chunk))  # h11 takes bytes; bytes() of the bytes trio returns is no copy
 
     async def read_body_into(
         self,
@@ -151,6 +151,16 @@ class _Response:
     def __init__(self, status: int, headers: dict[bytes, bytes]) -> None:
         self.status = status
         self.headers = headers
+
+
+class ClientOptions(TypedDict):
+    """HubClient's connection settings (a TierClient gives its hub and each node the same)."""
+
+    max_connections: int
+    connect_timeout_s: float
+    read_timeout_s: float
+    token: NotRequired[str | None]
+    ssl_context: NotRequired[ssl.SSLContext | None]
 
 
 class HubClient:
@@ -288,7 +298,7 @@ class HubClient:
             raise HubProtocolError(f"hub sent a malformed checksum list for file {file_id}")
         return [int.from_bytes(body[i : i + 8], "big") for i in range(0, len(body), 8)]
 
-    async def manifest_lines(self, on_received: Callable[[int], None] | None = None) -> AsyncIterator[bytes]:
+    async def manifest_lines(self, on_received: Callable[[int], None] | None = None) -> AsyncGenerator[bytes, None]:
         """Stream the manifest's NDJSON lines (header first), gunzipped, unparsed.
         `on_received` gets the size of every piece of the body as it arrives (gzipped)."""
         async with self._request("/v1/manifest") as (response, conn):
@@ -324,9 +334,8 @@ class HubClient:
             return self._idle.pop()
         try:
             with trio.fail_after(self._connect_timeout_s):
-                stream: trio.abc.Stream = await trio.open_tcp_stream(self.url.host, self.url.port)
-                if self._ssl_context is not None:
-                    stream = await self._tls(stream)
+                tcp = await trio.open_tcp_stream(self.url.host, self.url.port)
+                stream: trio.abc.Stream = tcp if self._ssl_context is None else await self._tls(tcp)
         except trio.TooSlowError:
             raise HubUnavailable(f"cannot connect to hub {self.url}: timed out") from None
         except OSError as exc:
@@ -371,7 +380,7 @@ class HubClient:
                 raise
             return _Response(event.status_code, {k.lower(): v for k, v in event.headers}), conn
 
-    async def _body(self, conn: _Connection) -> AsyncIterator[bytes]:
+    async def _body(self, conn: _Connection) -> AsyncGenerator[bytes, None]:
         while True:
             try:
                 event = await conn.next_event(self._read_timeout_s)

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import ssl
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import TypeVar, Unpack
 
 import trio
 import xxhash
@@ -24,7 +23,7 @@ import xxhash
 from ..config import HubURL
 from ..errors import BatchUnsupported, HubError, HubProtocolError, HubStatusError, HubTLSError, HubUnavailable
 from ..metrics import Stats
-from .hub_client import HubClient
+from .hub_client import ClientOptions, HubClient
 
 log = logging.getLogger(__name__)
 
@@ -95,31 +94,10 @@ class TierClient(HubClient):
         *,
         slice_bytes: int,
         stats: Stats,
-        max_connections: int,
-        connect_timeout_s: float,
-        read_timeout_s: float,
-        token: str | None = None,
-        ssl_context: ssl.SSLContext | None = None,
+        **options: Unpack[ClientOptions],
     ) -> None:
-        def client(url: HubURL) -> HubClient:
-            return HubClient(
-                url,
-                max_connections=max_connections,
-                connect_timeout_s=connect_timeout_s,
-                read_timeout_s=read_timeout_s,
-                token=token,  # nginx passes it on to the hub with each miss
-                ssl_context=ssl_context,
-            )
-
-        super().__init__(
-            hub_url,
-            max_connections=max_connections,
-            connect_timeout_s=connect_timeout_s,
-            read_timeout_s=read_timeout_s,
-            token=token,
-            ssl_context=ssl_context,
-        )
-        self._nodes = [client(url) for url in node_urls]
+        super().__init__(hub_url, **options)
+        self._nodes = [HubClient(url, **options) for url in node_urls]  # the token too: nginx passes it on with each miss
         self._slice_bytes = slice_bytes
         self._stats = stats
         self._down_until = [0.0] * len(self._nodes)  # trio time; 0: never failed, or answered since
@@ -128,7 +106,7 @@ class TierClient(HubClient):
             stats.tier_failovers[str(node)] += 0
         stats.tier_requests[HUB] += 0
 
-    @property  # type: ignore[override]
+    @property
     def answers(self) -> int:
         """Responses from the hub and from every node: unchanged, nothing upstream answered (hub_silence.py)."""
         return self._hub_answers + sum(node.answers for node in self._nodes)

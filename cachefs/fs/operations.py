@@ -259,7 +259,7 @@ class CachefsOperations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=handle_id, keep_cache=keep_cache, direct_io=direct_io)
 
     @_guarded
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]  # pyfuse3 sends any buffer; its stub says bytes
         handle = self._handles.get(fh)
         if handle is None:
             raise pyfuse3.FUSEError(errno.EBADF)

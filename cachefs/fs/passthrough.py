@@ -66,7 +66,8 @@ def supported_by_pyfuse3() -> bool:
 
 def _register_backing(fd: int) -> int:
     """Hand the kernel a backing file (it keeps its own reference); returns its backing id."""
-    return fcntl.ioctl(pyfuse3.get_session_fd(), FUSE_DEV_IOC_BACKING_OPEN, bytearray(_BACKING_MAP.pack(fd, 0, 0)))
+    backing_id: int = fcntl.ioctl(pyfuse3.get_session_fd(), FUSE_DEV_IOC_BACKING_OPEN, bytearray(_BACKING_MAP.pack(fd, 0, 0)))
+    return backing_id
 
 
 class PlanActivity(Protocol):

@@ -138,7 +138,8 @@ def _read_exactly(stream: BinaryIO, size: int) -> bytes:
 
 
 def _read_changed(stream: BinaryIO) -> int:
-    return _CHANGED.unpack(_read_exactly(stream, _CHANGED.size))[0]
+    ino: int = _CHANGED.unpack(_read_exactly(stream, _CHANGED.size))[0]
+    return ino
 
 
 def _read_removed(stream: BinaryIO) -> tuple[int, bytes, int]:
@@ -173,14 +174,19 @@ class _Records(Generic[_T]):
                 yield self.read_one(stream)
 
 
+def _records(path: Path, section: list[int], read_one: Callable[[BinaryIO], _T]) -> _Records[_T]:
+    offset, count = section
+    return _Records(path, offset, count, read_one)
+
+
 class ChangesFile:
     """What a child's load changed (namespace.Changes), in the file it wrote; `discard` removes it."""
 
     def __init__(self, path: Path, sections: dict[str, list[int]]) -> None:
         self._path = path
-        self.changed = _Records(path, *sections["changed"], _read_changed)
-        self.removed = _Records(path, *sections["removed"], _read_removed)
-        self.added = _Records(path, *sections["added"], _read_added)
+        self.changed = _records(path, sections["changed"], _read_changed)
+        self.removed = _records(path, sections["removed"], _read_removed)
+        self.added = _records(path, sections["added"], _read_added)
 
     def discard(self) -> None:
         self._path.unlink(missing_ok=True)

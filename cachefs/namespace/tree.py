@@ -15,7 +15,7 @@ import os
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypedDict, TypeVar
 
 import lmdb
 import xxhash
@@ -391,10 +391,20 @@ def _write_entries(txn: lmdb.Transaction, db: NamespaceDb, lines: Iterator[dict[
     return entries, file_bytes, changes
 
 
-def _without_position(packed: bytes) -> bytes:
+def _without_position(packed: bytes | memoryview) -> bytes:
     """An inode record minus its directory position (a reorder is no change)."""
     position_at = _ATTRS.size - _POS.size
-    return packed[:position_at] + packed[_ATTRS.size :]
+    return b"".join((packed[:position_at], packed[_ATTRS.size :]))
+
+
+class _InodeCommon(TypedDict):
+    """The fields every kind of entry has."""
+
+    ino: int
+    kind: int
+    mode: int
+    mtime_ns: int
+    parent: int
 
 
 def _entry_to_inode(entry: dict[str, Any]) -> Inode:
@@ -404,7 +414,9 @@ def _entry_to_inode(entry: dict[str, Any]) -> Inode:
     kind = _KINDS[entry["k"]]
     parent = ROOT_INODE if path == "" else inode_number(path.rpartition("/")[0])
     mtime_ns = _in_range(entry["t"], -(1 << 63), 1 << 63)
-    common = dict(ino=inode_number(path), kind=kind, mode=int(entry["m"]) & 0o7777, mtime_ns=mtime_ns, parent=parent)
+    common = _InodeCommon(
+        ino=inode_number(path), kind=kind, mode=int(entry["m"]) & 0o7777, mtime_ns=mtime_ns, parent=parent
+    )
     if kind == KIND_FILE:
         file_id, version = bytes.fromhex(entry["i"]), bytes.fromhex(entry["v"])
         if len(file_id) != 8 or len(version) != 8:
