@@ -74,6 +74,10 @@ class HeldBlocks:
         }
         self._bytes: collections.Counter[Owner] = collections.Counter()
         self._writing_bytes: collections.Counter[Owner] = collections.Counter()  # of those, on their way to the cache
+        # DEMAND's blocks the cache writer is done with, least recently used first: the only
+        # ones trimming may drop, kept apart so that a trim on every read does not step over
+        # the many a walk's readers took while they were still being written.
+        self._demand_settled: collections.OrderedDict[BlockKey, None] = collections.OrderedDict()
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
@@ -108,6 +112,8 @@ class HeldBlocks:
             return
         held.writing = False
         self._writing_bytes[held.owner] -= len(held.data)
+        if held.owner is Owner.DEMAND:
+            self._demand_settled[key] = None
         held.cached = cached
         keep = {
             Owner.DEMAND: True,
@@ -140,6 +146,8 @@ class HeldBlocks:
             self._retag(key, held, Owner.DEMAND)
         else:
             self._order[Owner.DEMAND].move_to_end(key)
+            if key in self._demand_settled:
+                self._demand_settled.move_to_end(key)
         held.since_s = now
         held.note = None
         self._trim_demand()
@@ -159,6 +167,7 @@ class HeldBlocks:
         if held is None:
             return None
         del self._order[held.owner][key]
+        self._demand_settled.pop(key, None)
         self._bytes[held.owner] -= len(held.data)
         if held.writing:
             self._writing_bytes[held.owner] -= len(held.data)
@@ -185,6 +194,8 @@ class HeldBlocks:
     def _add(self, key: BlockKey, held: Held) -> None:
         self._entries[key] = held
         self._order[held.owner][key] = None
+        if held.owner is Owner.DEMAND and not held.writing:
+            self._demand_settled[key] = None
         self._bytes[held.owner] += len(held.data)
         if held.writing:
             self._writing_bytes[held.owner] += len(held.data)
@@ -194,26 +205,29 @@ class HeldBlocks:
         self._bytes[held.owner] -= len(held.data)
         if held.writing:
             self._writing_bytes[held.owner] -= len(held.data)
+        self._demand_settled.pop(key, None)
         held.owner = owner
         self._order[owner][key] = None
+        if owner is Owner.DEMAND and not held.writing:
+            self._demand_settled[key] = None
         self._bytes[owner] += len(held.data)
         if held.writing:
             self._writing_bytes[owner] += len(held.data)
 
     def _trim_demand(self) -> None:
         """Least recently used DEMAND blocks out while over its share in bytes or blocks (not those being written)."""
-        order, budget = self._order[Owner.DEMAND], self._budget
-
-        def over() -> bool:
-            return self._bytes[Owner.DEMAND] > budget.demand_bytes or len(order) > budget.demand_blocks
-
-        if not over():
-            return
-        for key, held in self.keys_of(Owner.DEMAND):
-            if not over():
-                return
-            if not held.writing:
-                self.drop(key)
+        budget = self._budget
+        excess_bytes = self._bytes[Owner.DEMAND] - budget.demand_bytes
+        excess_blocks = len(self._order[Owner.DEMAND]) - budget.demand_blocks
+        out: list[BlockKey] = []
+        for key in self._demand_settled:
+            if excess_bytes <= 0 and excess_blocks <= 0:
+                break
+            out.append(key)
+            excess_bytes -= len(self._entries[key].data)
+            excess_blocks -= 1
+        for key in out:
+            self.drop(key)
 
     def _fit_read_ahead(self, key: BlockKey, held: Held, now: float) -> None:
         """Keep a written read-ahead block within read-ahead's share, or drop it.
