@@ -78,6 +78,14 @@ def test_a_batch_is_refused_whole(tmp_path: Path) -> None:
         assert http_get(hub, f"/v1/batch?bs={64 * KiB}&f={good}").status == 200
 
 
+async def _batch_url_of_f2(client: TestClient) -> str:
+    """The batch request of d/f2.bin in 64 KiB blocks, its id and version from the in-process hub's manifest."""
+    manifest = await (await client.get("/v1/manifest", auto_decompress=False)).read()
+    lines = gzip.decompress(manifest).splitlines()[1:]
+    entries = {entry["p"]: entry for entry in map(json.loads, lines) if entry["k"] == "f"}
+    return f"/v1/batch?bs={64 * KiB}&f={entries['d/f2.bin']['i']}.{entries['d/f2.bin']['v']}"
+
+
 def test_batches_beyond_the_memory_slots_are_answered_503_until_one_is_free(tmp_path: Path) -> None:
     """The hub holds at most MAX_IN_MEMORY batches; one more is refused at once with
     Retry-After (the spoke retries), and taken again once a slot is free. In process,
@@ -87,10 +95,7 @@ def test_batches_beyond_the_memory_slots_are_answered_503_until_one_is_free(tmp_
     async def scenario() -> None:
         app = make_app(HubConfig(root=tmp_path, access_log=False))
         async with TestClient(TestServer(app)) as client:
-            manifest = await (await client.get("/v1/manifest", auto_decompress=False)).read()
-            lines = gzip.decompress(manifest).splitlines()[1:]
-            entries = {entry["p"]: entry for entry in map(json.loads, lines) if entry["k"] == "f"}
-            url = f"/v1/batch?bs={64 * KiB}&f={entries['d/f2.bin']['i']}.{entries['d/f2.bin']['v']}"
+            url = await _batch_url_of_f2(client)
             slots = app[batch.SLOTS_KEY]
             async with contextlib.AsyncExitStack() as others:
                 for i in range(batch.MAX_IN_MEMORY - 1):  # all but one slot held by other clients' batches
@@ -117,10 +122,7 @@ def test_one_client_holds_at_most_half_the_memory_slots(tmp_path: Path) -> None:
     async def scenario() -> None:
         app = make_app(HubConfig(root=tmp_path, access_log=False))
         async with TestClient(TestServer(app)) as client:
-            manifest = await (await client.get("/v1/manifest", auto_decompress=False)).read()
-            lines = gzip.decompress(manifest).splitlines()[1:]
-            entries = {entry["p"]: entry for entry in map(json.loads, lines) if entry["k"] == "f"}
-            url = f"/v1/batch?bs={64 * KiB}&f={entries['d/f2.bin']['i']}.{entries['d/f2.bin']['v']}"
+            url = await _batch_url_of_f2(client)
             slots = app[batch.SLOTS_KEY]
             async with contextlib.AsyncExitStack() as own:
                 for _ in range(batch.MAX_IN_MEMORY_PER_CLIENT):
