@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import trio
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LISTENING_PREFIX = "cachefs-hub listening on "
 # Bounds, not delays: a healthy hub starts in well under a second.
@@ -385,3 +387,15 @@ def scrape_metrics(
 def sample(samples: Samples, name: str, **labels: str) -> float:
     """The value of one sample, 0 if absent."""
     return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+async def read_request_head(stream: trio.SocketStream) -> bytes | None:
+    """The bytes of one request up to the end of its head, as a small test server on trio
+    reads them; None if the client closed first."""
+    request = b""
+    while b"\r\n\r\n" not in request:
+        data = await stream.receive_some(4096)
+        if not data:
+            return None
+        request += data
+    return request

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from hub_helpers import read_request_head
 
 from cachefs.config import parse_hub_url
 from cachefs.errors import HubError, HubProtocolError
@@ -24,12 +25,8 @@ Body = Callable[[trio.SocketStream], Awaitable[None]]
 
 
 async def _answer(stream: trio.SocketStream, head: bytes, body: Body) -> None:
-    request = b""
-    while b"\r\n\r\n" not in request:
-        data = await stream.receive_some(4096)
-        if not data:
-            return
-        request += data
+    if await read_request_head(stream) is None:
+        return
     await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n" + head + b"\r\n")
     await body(stream)
 

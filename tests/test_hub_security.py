@@ -757,20 +757,26 @@ def test_connections_beyond_the_limit_get_503(dataset: Dataset) -> None:
     assert "refusing connections: 2 open, the most --max-connections allows (1 refused" in hub.stderr_text()
 
 
+def _assert_a_third_connection_refused_and_another_address_served(hub: HubProcess) -> None:
+    """With two connections from 127.0.0.1 held open, a third from there gets 503 and is
+    closed, while one from 127.0.0.2 is served; the held ones are closed after."""
+    held = held_connections(hub, 2)
+    try:
+        data, closed = raw_exchange(hub.host, hub.port, b"GET /healthz HTTP/1.1\r\nHost: hub\r\n\r\n")
+        assert closed and data.startswith(b"HTTP/1.1 503 "), data[:100]
+        with socket.create_connection((hub.host, hub.port), timeout=5, source_address=("127.0.0.2", 0)) as other:
+            other.sendall(b"GET /healthz HTTP/1.1\r\nHost: hub\r\nConnection: close\r\n\r\n")
+            assert other.makefile("rb").readline().startswith(b"HTTP/1.1 200 ")
+    finally:
+        for conn in held:
+            conn.close()
+
+
 def test_one_client_cannot_take_every_connection(dataset: Dataset) -> None:
     """Beyond --max-connections-per-client connections from one address get 503; another
     address is still served (before: one client could hold all of --max-connections)."""
     with running_hub(dataset.root, ["--max-connections", "8", "--max-connections-per-client", "2"]) as hub:
-        held = held_connections(hub, 2)
-        try:
-            data, closed = raw_exchange(hub.host, hub.port, b"GET /healthz HTTP/1.1\r\nHost: hub\r\n\r\n")
-            assert closed and data.startswith(b"HTTP/1.1 503 ")
-            with socket.create_connection((hub.host, hub.port), timeout=5, source_address=("127.0.0.2", 0)) as other:
-                other.sendall(b"GET /healthz HTTP/1.1\r\nHost: hub\r\nConnection: close\r\n\r\n")
-                assert other.makefile("rb").readline().startswith(b"HTTP/1.1 200 ")
-        finally:
-            for conn in held:
-                conn.close()
+        _assert_a_third_connection_refused_and_another_address_served(hub)
         assert wait_until(lambda: healthz_status(hub) == 200, 5)  # their slots are free again
     assert "refusing connections: 2 open from 127.0.0.1, the most --max-connections-per-client allows" in hub.stderr_text()
 
@@ -779,16 +785,7 @@ def test_two_clients_cannot_take_every_connection_by_default(dataset: Dataset) -
     """Without --max-connections-per-client, one address gets half of --max-connections
     (it used to be three quarters: two addresses took them all)."""
     with running_hub(dataset.root, ["--max-connections", "4"]) as hub:
-        held = held_connections(hub, 2)
-        try:
-            data, closed = raw_exchange(hub.host, hub.port, b"GET /healthz HTTP/1.1\r\nHost: hub\r\n\r\n")
-            assert closed and data.startswith(b"HTTP/1.1 503 "), data[:100]
-            with socket.create_connection((hub.host, hub.port), timeout=5, source_address=("127.0.0.2", 0)) as other:
-                other.sendall(b"GET /healthz HTTP/1.1\r\nHost: hub\r\nConnection: close\r\n\r\n")
-                assert other.makefile("rb").readline().startswith(b"HTTP/1.1 200 ")
-        finally:
-            for conn in held:
-                conn.close()
+        _assert_a_third_connection_refused_and_another_address_served(hub)
     assert "2 open from 127.0.0.1, the most --max-connections-per-client allows" in hub.stderr_text()
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from hub_helpers import HubProcess, free_port
+from hub_helpers import HubProcess, free_port, read_request_head
 
 from cachefs.config import parse_hub_url
 from cachefs.errors import BatchUnsupported, RemoteFileChanged
@@ -68,12 +68,8 @@ async def gateway_error_url(nursery: trio.Nursery) -> AsyncIterator[str]:
 
     async def answer(stream: trio.SocketStream) -> None:
         async with stream:
-            request = b""
-            while b"\r\n\r\n" not in request:
-                data = await stream.receive_some(4096)
-                if not data:
-                    return
-                request += data
+            if await read_request_head(stream) is None:
+                return
             await stream.send_all(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
 
     listeners = await nursery.start(functools.partial(trio.serve_tcp, answer, 0, host="127.0.0.1"))
