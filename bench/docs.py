@@ -36,8 +36,8 @@ PATH_OPTIONS = {"--dataset-dir": "DATASET_DIR", "--work-dir": "WORK_DIR", "--res
 LEGEND = (
     "Latencies are single-threaded pread p50 / p99. Loader: samples/s (accelerator busy %); epoch 1 of a cold "
     "run is cold, epoch 2 re-reads the same samples. WAN MB: bytes through the emulator to the spoke (direct: "
-    "bytes the spoke fetched). CPU s/GB: daemon CPU time per GB read by the workloads. * = cut short by its "
-    "time limit, ! = some reads failed."
+    "bytes the spoke fetched). CPU s/GB: daemon CPU time per GB read by the workloads (loop: of it, the event "
+    "loop's thread; the rest ran on worker threads). * = cut short by its time limit, ! = some reads failed."
 )
 
 

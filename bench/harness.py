@@ -32,6 +32,7 @@ from .processes import (
     Server,
     cpu_seconds,
     drop_page_cache,
+    main_thread_cpu_seconds,
     peak_rss_kib,
     python_command,
     start_server,
@@ -300,18 +301,22 @@ class Bench:
             drop_page_cache()
             pid = mount.pid()
             cpu_before = cpu_seconds(pid) if pid else None
+            loop_cpu_before = main_thread_cpu_seconds(pid) if pid else None
             try:
                 results = run_workloads(mount.mountpoint, scenario, self.config, extra_args)
             except RuntimeError as exc:
                 crashed = mount.crash_reason(pid)
                 raise RuntimeError(f"{crashed} ({exc})" if crashed else str(exc)) from None
             cpu_after = cpu_seconds(pid) if pid else None
+            loop_cpu_after = main_thread_cpu_seconds(pid) if pid else None
             record["note"] = mount.crash_reason(pid)
             record["results"] = results
             record["resources"] = {
                 "pid": pid,
                 "peak_rss_kib": peak_rss_kib(pid) if pid else None,
                 "cpu_s": cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None,
+                "loop_cpu_s": (loop_cpu_after - loop_cpu_before
+                               if loop_cpu_before is not None and loop_cpu_after is not None else None),
                 "bytes_read": bytes_read(results),
             }
             record["resources"]["fetched_bytes"] = _fetched_bytes(results)
@@ -476,5 +481,7 @@ def _finish_resources(record: dict[str, Any]) -> None:
         return
     if resources.get("cpu_s") is not None and resources.get("bytes_read"):
         resources["cpu_s_per_gb"] = resources["cpu_s"] / (resources["bytes_read"] / 1e9)
+        if resources.get("loop_cpu_s") is not None:
+            resources["loop_cpu_s_per_gb"] = resources["loop_cpu_s"] / (resources["bytes_read"] / 1e9)
     if record.get("link") == "direct":
         resources["wan_bytes"] = resources.get("fetched_bytes")

@@ -46,8 +46,18 @@ def drop_page_cache() -> bool:
 
 def cpu_seconds(pid: int) -> float | None:
     """utime + stime of `pid` (all its threads) from /proc/PID/stat."""
+    return _stat_cpu_seconds(Path(f"/proc/{pid}/stat"))
+
+
+def main_thread_cpu_seconds(pid: int) -> float | None:
+    """utime + stime of `pid`'s main thread alone: the daemon's event loop, which
+    serves every FUSE request, apart from its worker threads (disk, hashing)."""
+    return _stat_cpu_seconds(Path(f"/proc/{pid}/task/{pid}/stat"))
+
+
+def _stat_cpu_seconds(path: Path) -> float | None:
     try:
-        text = Path(f"/proc/{pid}/stat").read_text()
+        text = path.read_text()
     except OSError:
         return None
     fields = text[text.rindex(")") + 2 :].split()

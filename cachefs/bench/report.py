@@ -148,8 +148,15 @@ def scenario_row(scenario: dict[str, Any]) -> list[str]:
         epoch_cell(workloads, 2),
         _fmt(wan_bytes / 1e6) if wan_bytes is not None else "–",
         _fmt(rss_kib / 1024) if rss_kib is not None else "–",
-        _fmt(resources.get("cpu_s_per_gb"), 1),
+        _cpu_cell(resources),
     ]
+
+
+def _cpu_cell(resources: dict[str, Any]) -> str:
+    """CPU s/GB of the daemon, and of its event loop alone where measured (the rest: worker threads)."""
+    cell = _fmt(resources.get("cpu_s_per_gb"), 1)
+    loop = resources.get("loop_cpu_s_per_gb")
+    return cell if loop is None else f"{cell} (loop {_fmt(loop, 1)})"
 
 
 def scenarios_table(scenarios: Sequence[dict[str, Any]]) -> str:
