@@ -196,8 +196,9 @@ def test_a_cache_dir_of_one_mount_made_before_tenants_keeps_its_blocks_and_count
         main_checkout = Path(os.environ.get("CACHEFS_PREVIOUS_CHECKOUT", "/work/main"))
         env = {**os.environ, "PYTHONPATH": str(main_checkout)}
         (tmp_path / "old").mkdir()
-        subprocess.run(cachefs_command("mount", hub.url, tmp_path / "old", "--cache-dir", cache_dir, *PLAIN_ARGS,
-                                       "--cache-size", str(POOL)), env=env, cwd=tmp_path, check=True, timeout=60, capture_output=True)
+        old_mount = cachefs_command("mount", hub.url, tmp_path / "old", "--cache-dir", cache_dir, *PLAIN_ARGS,
+                                    "--cache-size", str(POOL))
+        subprocess.run(old_mount, env=env, cwd=tmp_path, check=True, timeout=60, capture_output=True)
         old = SpokeMount(tmp_path / "old", cache_dir, daemon_pid(cache_dir))
         try:
             scan(old, root, names, 1)

@@ -35,7 +35,8 @@ ADMISSION_LOCK = "admission.lock"
 # How often each tenant recomputes its allowance and publishes its record:
 # an allowance that shrank is reached within this long.
 REFRESH_INTERVAL_S = 1.0
-# Recent use is read bytes per second, averaged over about this long.
+# Recent use is read bytes per second, averaged over about this long; a tenant
+# that had to turn blocks away wants its cap for as long.
 USE_WINDOW_S = 10.0
 # A tenant not turning blocks away wants this many blocks (at most 1/32 of the
 # size) over what it holds: room to grow until its next refresh, which finds
@@ -73,6 +74,7 @@ class TenantShare:
         self._rate = 0.0
         self._last = (time.monotonic(), stats.read_bytes)
         self._pressure_seen = 0
+        self._pressed_until = 0.0  # it wants its cap until then: it was turning blocks away lately
         self._claimed = 0  # bytes claimed for blocks being written, not in the index yet
         self._record = self._make_record(0, 0, 0)
 
@@ -140,9 +142,10 @@ class TenantShare:
         weight = min(1.0, elapsed / USE_WINDOW_S)
         self._rate += weight * ((self._stats.read_bytes - read_then) / elapsed - self._rate)
         self._last = (now, self._stats.read_bytes)
-        turning_away = pressure != self._pressure_seen
+        if pressure != self._pressure_seen:  # it turned blocks away (or evicted for them) since the last refresh
+            self._pressed_until = now + USE_WINDOW_S
         self._pressure_seen = pressure
-        want = self.max_bytes if turning_away else min(self.max_bytes, used_bytes + self._growth_bytes)
+        want = self.max_bytes if now < self._pressed_until else min(self.max_bytes, used_bytes + self._growth_bytes)
         record = self._make_record(used_bytes, pinned_bytes, want)
         others = [r for r in self._ledger.records() if r.name != self.name]
         allowed = allowances(self.pool_bytes, [*others, dataclasses.replace(record, live=True)])
