@@ -11,7 +11,6 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
 
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE, MiB
@@ -24,6 +23,8 @@ from mount_helpers import (
     run_cachefs,
     wait_for_stats,
 )
+
+from cachefs.cache.tenants import Ledger, TenantRecord
 
 POOL = 8 * MiB
 # The cyclic loader reads without read-ahead: each block it reads is one demand access, a hit or a miss.
@@ -79,8 +80,9 @@ class Sampler:
         self._thread.join()
 
 
-def published(directory: Path) -> dict[str, Any]:
-    record: dict[str, Any] = json.loads((directory / "tenant.json").read_text())
+def published(directory: Path) -> TenantRecord:
+    record = Ledger.read(directory)
+    assert record is not None
     return record
 
 
@@ -129,7 +131,7 @@ def test_a_cyclic_loader_within_its_minimum_keeps_its_hits_while_another_tenant_
         assert set(by_name) == {"default", "scan"} and all(tenant["live"] for tenant in shown["tenants"])
         assert by_name["default"]["min_bytes"] == 4 * MiB and by_name["default"]["allowance_bytes"] >= 4 * MiB
         assert by_name["scan"]["fetched_bytes"] == scanner.stats()["fetched_bytes"]  # its own, as counted now
-        assert wait_until(lambda: published(cache_dir)["block_hits"] == after["block_hits"], 5)  # within a refresh
+        assert wait_until(lambda: published(cache_dir).block_hits == after["block_hits"], 5)  # within a refresh
         text = run_cachefs("stats", cyclic.mountpoint).stdout
         assert "default: allowed 4.0 MiB of the shared 8.0 MiB" in text, text
         rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("default ", "scan "))}
@@ -206,10 +208,10 @@ def test_a_cache_dir_of_one_mount_made_before_tenants_keeps_its_blocks_and_count
         finally:
             subprocess.run(cachefs_command("unmount", tmp_path / "old"), env=env, cwd=tmp_path, timeout=60, capture_output=True)
             old.unmount()
-        assert not (cache_dir / "tenant.json").exists()  # nothing published: a new tenant counts its index
+        assert not (cache_dir / "tenant.record").exists()  # nothing published: a new tenant counts its index
         # A new tenant counts the unmounted default tenant's bytes before growing into them.
         with mounted(hub.url, tmp_path / "new", cache_dir, PLAIN_ARGS, "new") as new:
-            assert wait_until(lambda: (cache_dir / "tenant.json").exists(), 10)
+            assert wait_until(lambda: (cache_dir / "tenant.record").exists(), 10)
             shown = {t["name"]: t for t in new.stats()["tenants"]["tenants"]}
             assert shown["default"]["used_bytes"] == 4 * MiB and not shown["default"]["live"]
         # The default tenant mounts as before and finds its blocks.

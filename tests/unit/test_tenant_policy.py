@@ -134,7 +134,13 @@ def test_pins_of_one_tenant_cannot_take_another_s_minimum(tmp_path: Path) -> Non
         pinner.pin({b"f" * 8: 3 * BLOCK})
 
 
-def test_a_record_survives_a_round_trip(tmp_path: Path) -> None:
+def test_a_record_survives_a_round_trip_and_a_torn_one_is_not_taken(tmp_path: Path) -> None:
     record = tenant("x", used=5, rate=2.5)
     Ledger.publish(tmp_path, record)
     assert Ledger.read(tmp_path, live=True) == dataclasses.replace(record, live=True)
+    Ledger.publish(tmp_path, dataclasses.replace(record, used_bytes=123456))
+    assert Ledger.read(tmp_path) == dataclasses.replace(record, used_bytes=123456, live=False)
+    data = bytearray((tmp_path / "tenant.record").read_bytes())
+    data[data.index(b"123456")] = ord("9")  # caught half rewritten
+    (tmp_path / "tenant.record").write_bytes(data)
+    assert Ledger.read(tmp_path) is None
