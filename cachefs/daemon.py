@@ -56,9 +56,10 @@ log = logging.getLogger(__name__)
 
 Notify = Callable[[str], None]
 POLICY_SAVE_INTERVAL_S = 60.0
-# A lock held by another tenant's liveness probe is free again within microseconds;
-# one held by a daemon is not within this many attempts.
-LOCK_ATTEMPTS = 20
+# A lock held by another tenant's liveness probe is free again within microseconds,
+# one held while another tenant reclaims this one's blocks within a second or so;
+# one held by a daemon is not within these 3 s.
+LOCK_ATTEMPTS = 120
 LOCK_RETRY_S = 0.025
 FUSECTL_DIR = Path("/sys/fs/fuse/connections")
 
@@ -182,6 +183,7 @@ async def _serve(
     cache = BlockCache(
         index_db, config.cache_dir, config.cache_size_bytes, config.block_size_bytes, stats, advisor=plans, share=share
     )
+    await trio.to_thread.run_sync(share.refresh, cache.used_bytes, cache.pinned_bytes(), cache.pressure)  # its bytes, published
     fetcher = Fetcher(
         client,
         cache,

@@ -14,13 +14,14 @@ from pathlib import Path
 
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE, MiB
-from hub_helpers import running_hub, wait_until
+from hub_helpers import free_port, running_hub, wait_until
 from mount_helpers import (
     SpokeMount,
     cachefs_command,
     daemon_pid,
     read_uncached,
     run_cachefs,
+    spoke_metrics,
     wait_for_stats,
 )
 
@@ -104,7 +105,9 @@ def test_a_cyclic_loader_within_its_minimum_keeps_its_hits_while_another_tenant_
         cyclic = stack.enter_context(
             mounted(cyclic_hub.url, tmp_path / "cyclic", cache_dir, (*PLAIN_ARGS, "--cache-min", "4M"), None)
         )
-        scanner = stack.enter_context(mounted(scan_hub.url, tmp_path / "scan", cache_dir, SPOKE_ARGS, "scan"))
+        port = free_port()
+        scanner = stack.enter_context(mounted(scan_hub.url, tmp_path / "scan", cache_dir,
+                                              (*SPOKE_ARGS, "--metrics-listen", f"127.0.0.1:{port}"), "scan"))
         scan(cyclic, cyclic_root, cyclic_names, 1)  # its warm-up epoch
         wait_for_stats(cyclic, lambda s: s["cached_bytes"] == 3 * MiB)
         before = cyclic.stats()
@@ -132,6 +135,12 @@ def test_a_cyclic_loader_within_its_minimum_keeps_its_hits_while_another_tenant_
         assert by_name["default"]["min_bytes"] == 4 * MiB and by_name["default"]["allowance_bytes"] >= 4 * MiB
         assert by_name["scan"]["fetched_bytes"] == scanner.stats()["fetched_bytes"]  # its own, as counted now
         assert wait_until(lambda: published(cache_dir).block_hits == after["block_hits"], 5)  # within a refresh
+        metrics = spoke_metrics(port)  # every tenant, from the scanner's daemon
+        assert metrics['cachefs_tenant_min_bytes{tenant="default"}'] == 4 * MiB
+        assert metrics['cachefs_tenant_used_bytes{tenant="default"}'] == 3 * MiB
+        assert metrics['cachefs_tenant_block_hits_total{tenant="default"}'] == after["block_hits"]
+        assert metrics['cachefs_tenant_fetched_bytes_total{tenant="scan"}'] == scanner.stats()["fetched_bytes"]
+        assert metrics['cachefs_tenant_mounted{tenant="scan"}'] == 1
         text = run_cachefs("stats", cyclic.mountpoint).stdout
         assert "default: allowed 4.0 MiB of the shared 8.0 MiB" in text, text
         rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("default ", "scan "))}

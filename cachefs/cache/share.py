@@ -82,6 +82,10 @@ class TenantShare:
         """Refuse a mount whose sizes do not fit those of the live tenants (one line)."""
         if self.min_bytes > self.max_bytes:
             raise UsageError(f"--cache-min {format_size(self.min_bytes)} is more than --cache-max {format_size(self.max_bytes)}")
+        with self.admitting():  # two tenants mounting at once see each other's minimum
+            self._check_mount()
+
+    def _check_mount(self) -> None:
         others = [r for r in self._ledger.records() if r.live and r.name != self.name]
         for other in others:
             if other.pool_bytes != self.pool_bytes:
@@ -92,6 +96,8 @@ class TenantShare:
             raise UsageError(f"--cache-min {format_size(self.min_bytes)} does not fit: the other tenants of "
                              f"{self._ledger.cache_dir} are guaranteed {format_size(guaranteed)} of its "
                              f"{format_size(self.pool_bytes)}")
+        last = self._ledger.read(self._directory)  # what it held when it last ran, until its first refresh
+        self._publish(self._make_record(last.used_bytes if last else 0, last.pinned_bytes if last else 0, 0))
 
     @contextlib.contextmanager
     def admitting(self) -> Iterator[None]:
