@@ -99,7 +99,8 @@ def allowances(pool_bytes: int, tenants: Iterable[TenantRecord]) -> dict[str, in
     tenants = list(tenants)
     given = {t.name: min(t.max_bytes, max(t.min_bytes if t.live else 0, t.pinned_bytes)) for t in tenants}
     room = pool_bytes - sum(given.values())
-    want = {t.name: max(given[t.name], min(t.max_bytes, t.want_bytes)) for t in tenants}
+    # A tenant not mounted cannot grow: it wants at most what it holds.
+    want = {t.name: max(given[t.name], min(t.max_bytes, t.want_bytes if t.live else t.used_bytes)) for t in tenants}
     live = [t for t in tenants if t.live]
     active = {t.name: t.use_rate for t in live if t.use_rate > 0}
     room = _share(room, given, want, active)

@@ -295,7 +295,8 @@ def _prepare_cache_dir(path: Path) -> None:
 def _prepare_tenant_dir(path: Path) -> None:
     """A tenant's own directory inside the shared cache dir (made 0700; the cache dir itself for the default tenant)."""
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, exist_ok=True)  # tenants/ (or, for the default tenant, the cache dir's parent)
+        path.mkdir(mode=0o700, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"cannot create the tenant's directory {path}: {exc.strerror}") from None
 

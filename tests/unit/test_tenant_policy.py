@@ -144,3 +144,22 @@ def test_a_record_survives_a_round_trip_and_a_torn_one_is_not_taken(tmp_path: Pa
     data[data.index(b"123456")] = ord("9")  # caught half rewritten
     (tmp_path / "tenant.record").write_bytes(data)
     assert Ledger.read(tmp_path) is None
+
+
+def test_an_unmounted_tenant_s_oldest_blocks_are_reclaimed_when_a_mounted_one_needs_the_room(tmp_path: Path) -> None:
+    with tenant_cache(tmp_path, "gone") as (gone, gone_share):
+        fill(gone, 1, 6)
+        gone_share.refresh(gone.used_bytes, 0, gone.pressure)
+        oldest = BlockKey((1).to_bytes(8, "big"), VERSION, 0)
+        assert gone.contains(oldest)
+    # Its daemon is gone (its lock is free); a mounted tenant that reads, and turns blocks away, needs the room.
+    with tenant_cache(tmp_path, "busy") as (busy, share):
+        busy._stats.read_bytes += 10 * BLOCK
+        assert fill(busy, 2, 4) == 2
+        share.refresh(busy.used_bytes, 0, busy.pressure)
+        assert fill(busy, 3, 6) == 6
+        assert busy.used_bytes() == 8 * BLOCK
+    record = Ledger.read(tenant_dir(tmp_path, "gone"))
+    assert record is not None and record.used_bytes == 0 and record.pid == 0
+    with tenant_cache(tmp_path, "gone") as (gone, _):
+        assert gone.used_bytes() == 0 and not gone.contains(oldest)
