@@ -178,8 +178,19 @@ class MountConfig:
     mountpoint: Path
     cache_dir: Path
     # 10 GiB: a modest default that fits any training node's NVMe; set it to
-    # what the node can spare.
+    # what the node can spare. With several tenants, the size of the cache dir
+    # they share (each mounts with the same).
     cache_size_bytes: int = 10 * GiB
+    # Several mounts may share one cache dir (`pool_dir`), each a tenant with
+    # a directory of its own (`cache_dir`, cache/tenants.py). The default
+    # tenant's files are the pool dir's top level, as with one mount per dir.
+    pool_dir: Path | None = None  # None: cache_dir, this mount's own
+    tenant: str = "default"
+    # Guaranteed to this tenant while mounted: others never evict it below
+    # this. 0: the tenant gets only what the others leave or do not use.
+    cache_min_bytes: int = 0
+    # This tenant's cap (None: the whole --cache-size).
+    cache_max_bytes: int | None = None
     # 1 MiB: the kernel's largest FUSE read request, so one cached block serves
     # one request; large enough that a 60 ms RTT link moves ~17 MB per round
     # trip and connection, small enough that a random 16 KiB sample fetches

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ import trio
 
 from . import __version__
 from .cache import BlockCache
+from .cache.share import REFRESH_INTERVAL_S, TenantShare
+from .cache.tenants import DEFAULT_TENANT, Ledger
 from .config import MountConfig, Ownership, memory_budget
 from .control.admin import Admin
 from .control.server import SOCKET_NAME, ControlServer
@@ -53,21 +56,34 @@ log = logging.getLogger(__name__)
 
 Notify = Callable[[str], None]
 POLICY_SAVE_INTERVAL_S = 60.0
+# A lock held by another tenant's liveness probe is free again within microseconds,
+# one held while another tenant reclaims this one's blocks within a second or so;
+# one held by a daemon is not within these 3 s.
+LOCK_ATTEMPTS = 120
+LOCK_RETRY_S = 0.025
 FUSECTL_DIR = Path("/sys/fs/fuse/connections")
 
 
 class CacheDirLock:
-    """An exclusive flock on <cache_dir>/lock, holding the daemon's pid."""
+    """An exclusive flock on <cache_dir>/lock, holding the daemon's pid (a tenant's: its own directory's)."""
 
-    def __init__(self, cache_dir: Path) -> None:
+    def __init__(self, cache_dir: Path, tenant: str = DEFAULT_TENANT, pool_dir: Path | None = None) -> None:
         self.path = cache_dir / "lock"
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(self._fd)
-            raise CacheDirInUse(f"cache dir {cache_dir} is in use by another cachefs daemon (pid {owner})") from None
+        for attempt in range(LOCK_ATTEMPTS):
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if attempt + 1 < LOCK_ATTEMPTS:  # another tenant's liveness probe holds it for a moment
+                    time.sleep(LOCK_RETRY_S)
+                    continue
+                owner = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(self._fd)
+                raise CacheDirInUse(
+                    f"cache dir {pool_dir or cache_dir} is in use by another cachefs daemon (pid {owner}) as tenant "
+                    f"{tenant!r}: give each mount sharing it its own --tenant"
+                ) from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
 
@@ -99,12 +115,14 @@ def run_daemon(config: MountConfig, notify: Notify) -> int:
     """Mount and serve until unmounted or signalled. Returns the exit status."""
     tune_malloc()
     os.umask(0o077)  # every file the daemon and its children create in the cache dir is theirs alone
-    lock = CacheDirLock(config.cache_dir)
+    lock = CacheDirLock(config.cache_dir, config.tenant, config.pool_dir)
     try:
+        stats = Stats()
+        share = _tenant_share(config, stats)
         namespace_db, index_db = _open_databases(config)
         try:
             _check_block_size(index_db, config)
-            trio.run(_serve, config, namespace_db, index_db, notify)
+            trio.run(_serve, config, namespace_db, index_db, notify, stats, share)
         finally:
             namespace_db.close()
             index_db.close()
@@ -147,8 +165,9 @@ def _check_block_size(db: IndexDb, config: MountConfig) -> None:
         )
 
 
-async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: IndexDb, notify: Notify) -> None:
-    stats = Stats()
+async def _serve(
+    config: MountConfig, namespace_db: NamespaceDb, index_db: IndexDb, notify: Notify, stats: Stats, share: TenantShare
+) -> None:
     client = _hub_client(config, stats)
     namespace = Namespace(namespace_db)
     handles = OpenFiles()
@@ -161,7 +180,10 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
     held = HeldBlocks(budget)
     claims = ReadAheadClaims()
     plans = ActivePlans(held)
-    cache = BlockCache(index_db, config.cache_dir, config.cache_size_bytes, config.block_size_bytes, stats, advisor=plans)
+    cache = BlockCache(
+        index_db, config.cache_dir, config.cache_size_bytes, config.block_size_bytes, stats, advisor=plans, share=share
+    )
+    await trio.to_thread.run_sync(share.refresh, cache.used_bytes, cache.pinned_bytes(), cache.pressure)  # its bytes, published
     fetcher = Fetcher(
         client,
         cache,
@@ -201,7 +223,8 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
                     lambda generation: planner.cancel_all("the mount moved to a new snapshot", generation),
                 )
 
-            admin = Admin(config, namespace, cache, fetcher, stats, refresh=refresh, sections={"training": planner.snapshot})
+            sections = {"training": planner.snapshot, "tenants": lambda: share.snapshot(cache.used_bytes(), cache.pinned_bytes())}
+            admin = Admin(config, namespace, cache, fetcher, stats, refresh=refresh, sections=sections)
             passthrough = Passthrough(cache, plans, stats, enabled=config.passthrough)
             await nursery.start(passthrough.run_verifier)
             operations = CachefsOperations(
@@ -224,11 +247,12 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
             control = ControlServer(admin.handlers(), {"plan": planner.handle_plan})
             await nursery.start(control.serve, config.cache_dir / SOCKET_NAME)
             if config.metrics_listen is not None:
-                _serve_metrics(config, stats, cache, fetcher, planner)
+                _serve_metrics(config, stats, cache, fetcher, planner, share)
             _init_fuse(operations, config)
             mounted = True
             nursery.start_soon(_terminate_on_signal)
             nursery.start_soon(_save_policy_periodically, cache)
+            nursery.start_soon(_keep_to_share, cache, share)
             if config.refresh_interval_s:
                 nursery.start_soon(snapshots.poll, config.refresh_interval_s, refresh)  # cancels plans too
             nursery.start_soon(snapshots.drop_stale_blocks, cache)
@@ -246,6 +270,7 @@ async def _serve(config: MountConfig, namespace_db: NamespaceDb, index_db: Index
             pyfuse3.close(unmount=True)
             log.info("unmounted %s", config.mountpoint)
         cache.save_policy()
+        share.note_used(cache.used_bytes(), cache.pinned_bytes())
         await client.aclose()
 
 
@@ -293,7 +318,9 @@ def _ssl_context(config: MountConfig) -> ssl.SSLContext | None:
     return context
 
 
-def _serve_metrics(config: MountConfig, stats: Stats, cache: BlockCache, fetcher: Fetcher, planner: Planner) -> None:
+def _serve_metrics(
+    config: MountConfig, stats: Stats, cache: BlockCache, fetcher: Fetcher, planner: Planner, share: TenantShare
+) -> None:
     assert config.metrics_listen is not None
     try:
         serve_metrics(config.metrics_listen, stats, lambda: {
@@ -302,11 +329,36 @@ def _serve_metrics(config: MountConfig, stats: Stats, cache: BlockCache, fetcher
                 blocks=cache.block_count(), fetches_in_flight=fetcher.requests_in_flight,
             ),
             **training_gauges(planner.snapshot(judge=False)),
-        })
+        }, tenants=lambda: share.snapshot(cache.used_bytes(), cache.pinned_bytes())["tenants"])
     except OSError as exc:
         host, port = config.metrics_listen
         raise UsageError(f"cannot serve metrics on {host}:{port}: {exc.strerror}") from None
     log.info("metrics on http://%s:%d/metrics", *config.metrics_listen)
+
+
+def _tenant_share(config: MountConfig, stats: Stats) -> TenantShare:
+    """This mount's share of its cache dir, checked against the tenants mounted on it now."""
+    pool_dir = config.pool_dir or config.cache_dir
+    share = TenantShare(
+        Ledger(pool_dir), config.cache_dir, config.tenant, pool_bytes=config.cache_size_bytes,
+        min_bytes=config.cache_min_bytes,
+        max_bytes=min(config.cache_max_bytes or config.cache_size_bytes, config.cache_size_bytes),
+        block_size=config.block_size_bytes, stats=stats,
+    )
+    share.check_mount()
+    return share
+
+
+async def _keep_to_share(cache: BlockCache, share: TenantShare) -> None:
+    """Recompute this tenant's allowance of the cache dir, publish its use, and give back what it holds beyond."""
+    while True:
+        try:
+            allowance = await trio.to_thread.run_sync(share.refresh, cache.used_bytes, cache.pinned_bytes(), cache.pressure)
+            if cache.used_bytes() > allowance:
+                await trio.to_thread.run_sync(cache.trim, allowance)
+        except (OSError, lmdb.Error) as exc:  # the cache dir's disk: reads go on, the next round tries again
+            log.warning("cannot keep this tenant to its share of the cache dir: %s", exc)
+        await trio.sleep(REFRESH_INTERVAL_S)
 
 
 async def _save_policy_periodically(cache: BlockCache) -> None:

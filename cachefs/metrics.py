@@ -173,12 +173,31 @@ def training_gauges(training: dict[str, Any]) -> dict[str, float]:
     return gauges
 
 
+# Per tenant of the cache dir (cache/tenants.py), label `tenant`: every tenant
+# that published a record, as it published it (a mount's counters restart at 0).
+_TENANT_GAUGES = {  # record field -> (name, help)
+    "used_bytes": ("cachefs_tenant_used_bytes", "Bytes of blocks the tenant holds in the shared cache dir"),
+    "allowance_bytes": ("cachefs_tenant_allowance_bytes", "Bytes the sharing policy allows the tenant now"),
+    "min_bytes": ("cachefs_tenant_min_bytes", "Bytes guaranteed to the tenant while mounted (--cache-min)"),
+    "max_bytes": ("cachefs_tenant_max_bytes", "The tenant's cap (--cache-max)"),
+    "live": ("cachefs_tenant_mounted", "1 if the tenant's daemon is running"),
+}
+_TENANT_COUNTERS = {
+    "block_hits": ("cachefs_tenant_block_hits", "Blocks the tenant's readers found locally, since its mount"),
+    "block_misses": ("cachefs_tenant_block_misses", "Blocks the tenant's readers waited for the hub for, since its mount"),
+    "fetched_bytes": ("cachefs_tenant_fetched_bytes", "Bytes the tenant received from its hub, since its mount"),
+}
+
+
 class SpokeCollector(Collector):
     """Exposes `Stats` and the cache's gauges at scrape time."""
 
-    def __init__(self, stats: Stats, gauges: Callable[[], dict[str, float]]) -> None:
+    def __init__(
+        self, stats: Stats, gauges: Callable[[], dict[str, float]], tenants: Callable[[], list[dict[str, Any]]] | None = None
+    ) -> None:
         self._stats = stats
         self._gauges = gauges
+        self._tenants = tenants
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         for field, (name, text) in _COUNTERS.items():
@@ -202,6 +221,21 @@ class SpokeCollector(Collector):
             )
         for name, value in self._gauges().items():
             yield GaugeMetricFamily(name, _GAUGES[name], value=value)
+        if self._tenants is not None:
+            yield from _tenant_metrics(self._tenants())
+
+
+def _tenant_metrics(tenants: list[dict[str, Any]]) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    for field, (name, text) in _TENANT_GAUGES.items():
+        gauge = GaugeMetricFamily(name, text, labels=["tenant"])
+        for tenant in tenants:
+            gauge.add_metric([tenant["name"]], float(tenant[field]))
+        yield gauge
+    for field, (name, text) in _TENANT_COUNTERS.items():
+        counter = CounterMetricFamily(name, text, labels=["tenant"])
+        for tenant in tenants:
+            counter.add_metric([tenant["name"]], tenant[field])
+        yield counter
 
 
 def _labelled(
@@ -213,7 +247,12 @@ def _labelled(
     return family
 
 
-def serve_metrics(listen: tuple[str, int], stats: Stats, gauges: Callable[[], dict[str, float]]) -> None:
+def serve_metrics(
+    listen: tuple[str, int],
+    stats: Stats,
+    gauges: Callable[[], dict[str, float]],
+    tenants: Callable[[], list[dict[str, Any]]] | None = None,
+) -> None:
     """Start the /metrics HTTP endpoint (a daemon thread of prometheus-client)."""
-    REGISTRY.register(SpokeCollector(stats, gauges))
+    REGISTRY.register(SpokeCollector(stats, gauges, tenants))
     start_http_server(listen[1], addr=listen[0], registry=REGISTRY)

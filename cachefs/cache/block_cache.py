@@ -4,6 +4,7 @@ and whole-file verification for the kernel's direct reads (passthrough.py)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import os
@@ -22,6 +23,7 @@ from .index import BlockIndex, IndexEntry
 from .keys import BlockData, BlockKey
 from .plan_eviction import EvictionAdvisor, PlanVictims, Victims
 from .policy import FrequencySketch
+from .share import TenantShare
 from .store import BlockStore
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,7 @@ class BlockCache:
         block_size: int,
         stats: Stats,
         advisor: EvictionAdvisor | None = None,
+        share: TenantShare | None = None,
     ) -> None:
         self._db = db
         self.index = BlockIndex(db)
@@ -107,6 +110,8 @@ class BlockCache:
         self.sketch.load(self._sketch_path)
         self._pins = self._load_pins()
         self._advisor = advisor
+        self._share = share  # with other mounts on the cache dir: this one's allowance of it (share.py)
+        self.pressure = 0  # admissions that found this cache full: the tenant wants more room
         # File versions the kernel reads directly (held) and those a block is
         # being dropped from right now; a file is never both (see hold()).
         self._held_lock = threading.Lock()
@@ -192,11 +197,14 @@ class BlockCache:
         read ahead lost their place and were fetched a second time by their
         reader)."""
         with self._lock:
-            try:
-                admitted = self._admit(blocks, ahead)
-            except lmdb.Error as exc:  # dropping what they displace failed (a full disk)
-                self._note_store_failure(exc)
-                return 0
+            with self._share.admitting() if self._share is not None else contextlib.nullcontext():
+                try:
+                    admitted = self._admit(blocks, ahead)
+                except lmdb.Error as exc:  # dropping what they displace failed (a full disk)
+                    self._note_store_failure(exc)
+                    return 0
+                if self._share is not None and admitted:  # claimed before written: the tenants never overshoot together
+                    self._share.claim(self.index.used_bytes(), self.pinned_bytes(), sum(len(data) for _key, data in admitted))
             written = []
             for key, data in admitted:
                 try:
@@ -214,6 +222,8 @@ class BlockCache:
                     self.store.delete(key)
                 self._note_store_failure(exc)
                 return 0
+            if self._share is not None:
+                self._share.note_used(self.index.used_bytes(), self.pinned_bytes())
         return len(written)
 
     def _admit(
@@ -230,6 +240,7 @@ class BlockCache:
         try:
             for key, data, force in blocks:
                 forced = force or key.file_id in self._pins
+                self.pressure += len(data) > free
                 while len(data) > free:
                     victim = victims.best()
                     if victim is None:
@@ -302,9 +313,30 @@ class BlockCache:
                     if not self._dropping[file]:
                         del self._dropping[file]
 
+    def trim(self, target_bytes: int) -> int:
+        """Evict the oldest unpinned blocks until at most `target_bytes` are cached (worker
+        thread): a tenant whose allowance shrank gives the room back. Returns the bytes freed."""
+        freed = 0
+        with self._lock:
+            excess = self.index.used_bytes() - target_bytes
+            evicted: list[BlockKey] = []
+            try:
+                for key, length in self._victims():
+                    if freed >= excess:
+                        break
+                    if self._start_drop(key):
+                        evicted.append(key)
+                        freed += length
+            finally:
+                self._finish_drops(evicted)
+            self._stats.evicted_blocks += len(evicted)
+            if evicted and self._share is not None:
+                self._share.note_used(self.index.used_bytes(), self.pinned_bytes())
+        return freed
+
     def free_bytes(self) -> int:
         """Room left under the size limit (and the disk reserve, once the disk was found full)."""
-        return max(0, self._limit_bytes() - self.index.used_bytes())
+        return max(0, self._limit_bytes(fresh=False) - self.index.used_bytes())
 
     def remove(self, key: BlockKey) -> None:
         self._drop(key)
@@ -353,14 +385,18 @@ class BlockCache:
             if self._held[(file_id, version)] <= 0:
                 del self._held[(file_id, version)]
 
-    def _limit_bytes(self) -> int:
-        """The capacity, or after the disk filled up once, what fits while keeping a reserve free.
+    def _limit_bytes(self, *, fresh: bool = True) -> int:
+        """The capacity (with other tenants on the cache dir, this one's allowance: `fresh`, also
+        no growth into what they hold now), or after the disk filled up once, what fits while keeping a reserve free.
 
         The reserve (a quarter of the filesystem, at most 1 GiB) keeps a nearly
         full disk from flapping between caching and failing.
         """
+        limit = self.capacity_bytes
+        if self._share is not None:
+            limit = min(limit, self._share.limit(self.index.used_bytes()) if fresh else self._share.allowance)
         if self._disk_reserve_bytes is None:
-            return self.capacity_bytes
+            return limit
         try:
             usage = os.statvfs(self.store.data_dir)
         except OSError:
@@ -370,7 +406,7 @@ class BlockCache:
             log.info("disk space returned; caching in %s again, keeping %d bytes free",
                      self.store.data_dir, self._disk_reserve_bytes)
             self._space_returned = True
-        return min(self.capacity_bytes, self.index.used_bytes() + free - self._disk_reserve_bytes)
+        return min(limit, self.index.used_bytes() + free - self._disk_reserve_bytes)
 
     def _note_store_failure(self, exc: Exception) -> None:
         """A write failed (a full disk): from now on keep a reserve free on the disk.
@@ -437,10 +473,12 @@ class BlockCache:
         """Keep these files (id -> size) out of eviction; refuse if they cannot all fit."""
         with self._lock:
             wanted = sum(size for file_id, size in files.items() if file_id not in self._pins)
-            if self.pinned_bytes() + wanted > self.capacity_bytes:
+            limit = self.capacity_bytes if self._share is None else self._share.pin_limit()
+            if self.pinned_bytes() + wanted > limit:
                 raise CachefsError(
                     f"cannot pin {wanted} more bytes: {self.pinned_bytes()} already pinned "
-                    f"of a {self.capacity_bytes}-byte cache"
+                    + (f"of a {self.capacity_bytes}-byte cache" if self._share is None
+                       else f"of the {limit} bytes the other tenants' minimums leave this one")
                 )
             with self._db.env.begin(db=self._db.pins, write=True) as txn:
                 for file_id, size in files.items():

@@ -241,13 +241,34 @@ def _stats(args: argparse.Namespace) -> int:
     training = stats.get("training")
     if training is not None:
         rows.extend(_training_rows(stats, training))
+    tenants: dict[str, Any] = stats.get("tenants") or {"name": "default", "tenants": []}
+    shared = tenants["name"] != "default" or len(tenants["tenants"]) > 1
+    if shared:
+        rows.append(("tenant", f"{tenants['name']}: allowed {format_size(tenants['allowance_bytes'])} "
+                               f"of the shared {format_size(tenants['pool_bytes'])}"))
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
+    if shared:
+        print()
+        _print_tenants(tenants["tenants"])
     if training is not None and training["epochs"]:
         print()
         _print_epochs(training["epochs"])
     return 0
+
+
+def _print_tenants(tenants: list[dict[str, Any]]) -> None:
+    """Every tenant of the cache dir, as each published itself (counters since its mount)."""
+    print(f"{'tenant':<16} {'mounted':>7} {'used':>10} {'min':>10} {'max':>10} {'allowed':>10} "
+          f"{'hits':>9} {'misses':>9} {'hit ratio':>9} {'fetched':>10}")
+    for tenant in tenants:
+        looked_up = tenant["block_hits"] + tenant["block_misses"]
+        ratio = f"{100 * tenant['block_hits'] / looked_up:.1f} %" if looked_up else "n/a"
+        print(f"{tenant['name']:<16} {'yes' if tenant['live'] else 'no':>7} {format_size(tenant['used_bytes']):>10} "
+              f"{format_size(tenant['min_bytes']):>10} {format_size(tenant['max_bytes']):>10} "
+              f"{format_size(tenant['allowance_bytes']):>10} {tenant['block_hits']:>9} {tenant['block_misses']:>9} "
+              f"{ratio:>9} {format_size(tenant['fetched_bytes']):>10}")
 
 
 def _training_rows(stats: dict[str, Any], training: dict[str, Any]) -> list[tuple[str, str]]:

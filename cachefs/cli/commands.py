@@ -20,6 +20,7 @@ from typing import Any
 
 from .. import __version__
 from ..cache.store import can_free_space
+from ..cache.tenants import DEFAULT_TENANT, TENANTS_DIR, tenant_dir, validate_tenant
 from ..config import (
     MountConfig,
     parse_group,
@@ -61,7 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument("--cache-dir", required=True, type=Path,
                        help="where cached blocks and metadata live (made 0700; owned by the daemon's user), "
                             "on a local disk or tmpfs: network file systems and ramfs are refused")
-    mount.add_argument("--cache-size", default="10G", help="upper bound for cached block bytes (default: 10G)")
+    mount.add_argument("--cache-size", default="10G",
+                       help="upper bound for cached block bytes; with several --tenant mounts on one cache dir, "
+                            "the size they share, the same for each (default: 10G)")
+    mount.add_argument(
+        "--tenant", metavar="NAME",
+        help="share --cache-dir with other mounts, each with its own NAME (letters, digits, '.', '_', '-'); "
+             "a second mount of the same NAME is refused (default: the cache dir's own, 'default'; docs/shared-cache.md)",
+    )
+    mount.add_argument("--cache-min", metavar="SIZE",
+                       help="bytes of the shared cache guaranteed to this tenant while mounted: the others never "
+                            "evict it below this (default: 0)")
+    mount.add_argument("--cache-max", metavar="SIZE",
+                       help="the most this tenant may hold of the shared cache (default: all of --cache-size)")
     mount.add_argument("--block-size", default="1M", help="cache block size, a power of two from 64K to 64M (default: 1M)")
     mount.add_argument("--max-connections", type=int, default=64, help="concurrent connections to the hub (default: 64)")
     mount.add_argument(
@@ -201,11 +214,22 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
     for option in ("fetch_timeout", "refresh_interval", "manifest_wait", "mount_timeout"):
         _check_seconds(option, getattr(args, option))
     hub_url = parse_hub_url(args.hub_url)
+    pool_dir = Path(os.path.abspath(args.cache_dir))
+    tenant = validate_tenant(args.tenant) if args.tenant is not None else DEFAULT_TENANT
+    cache_size = parse_size(args.cache_size)
+    cache_min = parse_size(args.cache_min) if args.cache_min is not None else 0
+    cache_max = parse_size(args.cache_max) if args.cache_max is not None else None
+    if cache_min > min(cache_size, cache_max or cache_size):
+        raise UsageError(f"--cache-min {args.cache_min} is more than --cache-max or --cache-size")
     return MountConfig(
         hub_url=hub_url,
         mountpoint=Path(os.path.abspath(args.mountpoint)),
-        cache_dir=Path(os.path.abspath(args.cache_dir)),
-        cache_size_bytes=parse_size(args.cache_size),
+        cache_dir=tenant_dir(pool_dir, tenant),
+        pool_dir=pool_dir,
+        tenant=tenant,
+        cache_min_bytes=cache_min,
+        cache_max_bytes=cache_max,
+        cache_size_bytes=cache_size,
         block_size_bytes=validate_block_size(parse_size(args.block_size)),
         max_connections=args.max_connections,
         readahead_blocks=args.readahead_blocks,
@@ -268,6 +292,15 @@ def _prepare_cache_dir(path: Path) -> None:
     _make_private(path)  # after the checks above: a directory that cannot be a cache dir is left as it is
 
 
+def _prepare_tenant_dir(path: Path) -> None:
+    """A tenant's own directory inside the shared cache dir (made 0700; the cache dir itself for the default tenant)."""
+    try:
+        path.parent.mkdir(mode=0o700, exist_ok=True)  # tenants/ (or, for the default tenant, the cache dir's parent)
+        path.mkdir(mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create the tenant's directory {path}: {exc.strerror}") from None
+
+
 def _warn_if_token_in_clear(config: MountConfig) -> None:
     """One warning at start when the bearer token would cross the network unencrypted.
 
@@ -285,7 +318,7 @@ def _warn_if_token_in_clear(config: MountConfig) -> None:
 
 # Names of a cache dir that cachefs used before: one open to others is made
 # private only when it is one of these, or empty.
-_CACHE_DIR_MARKERS = ("lock", "index.lmdb", LOG_FILE)
+_CACHE_DIR_MARKERS = ("lock", "index.lmdb", LOG_FILE, TENANTS_DIR)
 
 
 def _check_owner(path: Path) -> None:
@@ -336,7 +369,8 @@ def _mount(args: argparse.Namespace, argv: list[str]) -> int:
         _setup_logging(config.debug, None)
         _warn_if_token_in_clear(config)
         prepare_mountpoint(config.mountpoint)
-        _prepare_cache_dir(config.cache_dir)
+        _prepare_cache_dir(config.pool_dir or config.cache_dir)
+        _prepare_tenant_dir(config.cache_dir)
         if not config.foreground:
             return _start_background(config, argv, args.mount_timeout)
         return _run_foreground(config, notify=lambda _message: None)
