@@ -1,5 +1,6 @@
-"""FUSE passthrough (--passthrough): whole, verified cached files are read by the kernel
-from the cache's data files; anything else, and every read without it, through the daemon."""
+"""FUSE passthrough (on by default): whole, verified cached files are read by the kernel
+from the cache's data files, which are sealed and re-verified on a period; anything else,
+and every read with --no-passthrough, through the daemon."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import errno
 import os
 import shutil
 import signal
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,15 +68,64 @@ def test_a_file_read_whole_is_then_read_by_the_kernel_from_the_cache(hub: HubPro
         assert spoke.stats()["fetched_bytes"] == 0
 
 
-def test_without_passthrough_the_daemon_serves_every_read(hub: HubProcess, dataset: Path, tmp_path: Path) -> None:
+def test_passthrough_is_the_default(hub: HubProcess, dataset: Path, tmp_path: Path) -> None:
     source = (dataset / SHARD).read_bytes()
     with mounted_spoke(hub.url, tmp_path, (*SPOKE_ARGS, "--prefetch-siblings", "0")) as spoke:
+        assert read_uncached(spoke.mountpoint / SHARD) == source
+        wait_for_stats(spoke, lambda stats: stats["verified_files"] >= 1)
+        data, moved = _read_through_kernel(spoke, SHARD)
+        assert data == source
+        assert moved == {"reads": 0, "passthrough_opens": 1}
+
+
+def test_with_no_passthrough_the_daemon_serves_every_read(hub: HubProcess, dataset: Path, tmp_path: Path) -> None:
+    source = (dataset / SHARD).read_bytes()
+    with mounted_spoke(hub.url, tmp_path, (*SPOKE_ARGS, "--prefetch-siblings", "0", "--no-passthrough")) as spoke:
         assert read_uncached(spoke.mountpoint / SHARD) == source
         wait_for_stats(spoke, lambda stats: stats["cached_bytes"] >= len(source))
         data, moved = _read_through_kernel(spoke, SHARD)
         assert data == source
         assert moved["passthrough_opens"] == 0 and moved["reads"] > 0
         assert spoke.stats()["verified_files"] == 0
+        modes = {stat.S_IMODE(path.stat().st_mode) for path in cache_data_files(spoke.cache_dir)}
+        assert modes == {0o600}  # never sealed: the daemon checks every read
+
+
+def test_a_byte_changed_on_disk_after_verification_is_found_and_never_served_after(
+        hub: HubProcess, dataset: Path, tmp_path: Path) -> None:
+    """The kernel reads a verified file without a check, so its data file is sealed and
+    re-verified on a period: a byte changed on disk afterwards (root ignores the seal, and
+    so does a failing disk) is found, counted, and the file goes back to the daemon, which
+    fetches the changed block again; the changed byte is never served after that."""
+    source = (dataset / SHARD).read_bytes()
+    with mounted_spoke(hub.url, tmp_path, (*ARGS, "--reverify-interval", "0.5")) as spoke:
+        assert read_uncached(spoke.mountpoint / SHARD) == source
+        wait_for_stats(spoke, lambda stats: stats["verified_files"] >= 1)
+        data, moved = _read_through_kernel(spoke, SHARD)
+        assert data == source
+        assert moved == {"reads": 0, "passthrough_opens": 1}
+        [data_file] = [path for path in cache_data_files(spoke.cache_dir) if path.stat().st_size == len(source)]
+        assert stat.S_IMODE(data_file.stat().st_mode) == 0o400  # sealed
+        wait_for_stats(spoke, lambda stats: stats["reverified_files"] >= 1)
+        assert spoke.stats()["reverify_failures"] == 0
+        offset = 7 * TEST_BLOCK_SIZE + 123
+        with open(data_file, "r+b") as disk:
+            disk.seek(offset)
+            disk.write(bytes([source[offset] ^ 0xFF]))
+        fetched = spoke.stats()["fetched_bytes"]
+        stats = wait_for_stats(spoke, lambda stats: stats["reverify_failures"] == 1)
+        assert stat.S_IMODE(data_file.stat().st_mode) == 0o600  # unsealed: the block is written again
+        verified = stats["verified_files"]
+        data, moved = _read_through_kernel(spoke, SHARD)  # by the daemon
+        assert data == source
+        assert moved["passthrough_opens"] == 0 and moved["reads"] > 0
+        wait_for_stats(spoke, lambda stats: stats["verified_files"] > verified)
+        data, moved = _read_through_kernel(spoke, SHARD)  # verified again: by the kernel
+        assert data == source
+        assert moved == {"reads": 0, "passthrough_opens": 1}
+        assert spoke.stats()["fetched_bytes"] - fetched == TEST_BLOCK_SIZE  # the changed block only
+        assert spoke.stats()["reverify_failures"] == 1
+        assert stats["corrupt_blocks"] == 0  # found by the re-verification, not by a read
 
 
 def test_a_corrupt_block_is_never_handed_to_the_kernel(hub: HubProcess, dataset: Path, tmp_path: Path) -> None:

@@ -83,19 +83,36 @@ class BlockIndex:
                     freed += entry.length
         return freed
 
-    def mark_verified(self, files: list[list[tuple[BlockKey, int]]], boot_id: bytes) -> int:
+    def mark_verified(self, files: list[list[tuple[BlockKey, int]]], boot_id: bytes) -> list[tuple[bytes, bytes]]:
         """Record, in one transaction, that each file version's blocks (key, entry seq),
         all of them, were verified during boot `boot_id`; a file whose entries changed
-        since they were read is left out. Returns how many were recorded. Any later
-        change of an entry drops its file's record."""
-        marked = 0
+        since they were read is left out. Returns the (file id, version) recorded. Any
+        later change of an entry drops its file's record."""
+        marked = []
         with self._db.env.begin(write=True) as txn:
             for checked in files:
                 if all(_has_seq(txn, self._db, key, seq) for key, seq in checked):
                     key = checked[0][0]
                     txn.put(key.file_id + key.version, boot_id, db=self._db.verified)
-                    marked += 1
+                    marked.append((key.file_id, key.version))
         return marked
+
+    def verified_during(self, boot_id: bytes) -> list[tuple[bytes, bytes]]:
+        """The (file id, version) recorded as verified during boot `boot_id`."""
+        with self._db.env.begin(db=self._db.verified) as txn:
+            return [(packed[:8], packed[8:16]) for packed, boot in txn.cursor() if boot == boot_id]
+
+    def version_entries(self, file_id: bytes, version: bytes, first_blockno: int) -> Iterator[tuple[BlockKey, IndexEntry]]:
+        """A file version's entries from block `first_blockno` on, in block order (one
+        read transaction, held while iterating: consume it promptly)."""
+        prefix = file_id + version
+        with self._db.env.begin(db=self._db.blocks) as txn:
+            cursor = txn.cursor()
+            if cursor.set_range(BlockKey(file_id, version, first_blockno).packed()):
+                for packed, value in cursor:
+                    if not packed.startswith(prefix):
+                        return
+                    yield BlockKey.unpack(packed), IndexEntry.unpack(value)
 
     def verified_boot(self, file_id: bytes, version: bytes) -> bytes | None:
         """The boot during which the file version was last verified whole, if it was."""
