@@ -266,7 +266,9 @@ def test_cache_stays_under_its_size_limit(hub, dataset: Path, tmp_path: Path) ->
 def test_corrupt_cached_block_is_dropped_and_refetched(hub, dataset: Path, tmp_path: Path) -> None:
     cache_dir = tmp_path / "cache"
     relative = "shards/shard-002.bin"
-    args = (*SPOKE_ARGS, "--prefetch-siblings", "0")  # exactly one block gets cached
+    # Exactly one block gets cached; the daemon checks every read (with passthrough a file changed on disk
+    # after its verification is found by re-verification instead: test_passthrough.py).
+    args = (*SPOKE_ARGS, "--prefetch-siblings", "0", "--no-passthrough")
     with mounted_spoke(hub.url, tmp_path, args, cache_dir=cache_dir) as spoke:
         assert (spoke.mountpoint / relative).read_bytes() == (dataset / relative).read_bytes()
     [block_file] = cache_data_files(cache_dir)

@@ -265,3 +265,35 @@ def test_a_held_file_keeps_its_blocks_and_its_mark(cache: BlockCache) -> None:
     cache.unhold(FILE_ID, VERSION)
     cache.remove(keys[0])
     assert not cache.contains(keys[0]) and not cache.verified(FILE_ID, VERSION)
+
+
+def test_a_verified_data_file_is_sealed_and_only_a_drop_unseals_it(cache: BlockCache) -> None:
+    keys = _insert_file(cache)
+    path = cache.store.path(FILE_ID, VERSION)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == 1
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o400
+    assert cache.insert_many([(keys[0], b"\xee" * BLOCK, True)]) == 0  # refused (root could write any mode)
+    entry = cache.entry(keys[0])
+    assert entry is not None and cache.read(keys[0], entry) == b"\x01" * BLOCK
+    assert cache.verified(FILE_ID, VERSION)
+    cache.remove(keys[0])
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and not cache.verified(FILE_ID, VERSION)
+    assert cache.insert_many([(keys[0], b"\x01" * BLOCK, False)]) == 1
+
+
+def test_reverification_finds_a_changed_block_in_steps_and_drops_only_it(cache: BlockCache) -> None:
+    keys = _insert_file(cache)
+    assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == 1
+    assert cache.reverify_blocks(FILE_ID, VERSION, 0, 1 << 30) == (None, sum(LENGTHS), [])
+    with open(cache.store.path(FILE_ID, VERSION), "r+b") as disk:
+        disk.seek(BLOCK + 5)
+        disk.write(b"\xff")
+    assert cache.reverify_blocks(FILE_ID, VERSION, 0, BLOCK) == (1, BLOCK, [])  # a step of about BLOCK bytes
+    assert cache.reverify_blocks(FILE_ID, VERSION, 1, BLOCK) == (2, BLOCK, [keys[1]])
+    assert cache.reverify_blocks(FILE_ID, VERSION, 2, BLOCK) == (None, 100, [])
+    assert cache.verified_versions() == [(FILE_ID, VERSION)]
+    cache.drop_changed([keys[1]])
+    assert cache.verified_versions() == [] and not cache.verified(FILE_ID, VERSION)
+    assert [cache.contains(key) for key in keys] == [True, False, True]
+    assert stat.S_IMODE(os.stat(cache.store.path(FILE_ID, VERSION)).st_mode) == 0o600

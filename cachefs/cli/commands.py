@@ -136,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--passthrough", action=argparse.BooleanOptionalAction, default=None,
         help="let the kernel read whole, verified cached files straight from the cache (FUSE passthrough: local disk "
         "speed; each file is verified whole first, sealed read-only and re-verified every --reverify-interval). "
-        "Default: on where the kernel and pyfuse3 allow it, else the daemon serves and checks every read; "
-        "--no-passthrough: the daemon serves and checks every read",
+        "Default: on where the kernel and pyfuse3 allow it; off, or where they do not, the daemon serves and "
+        "checks every read",
     )
     mount.add_argument(
         "--reverify-interval", type=float, default=86400.0, metavar="SECONDS",
