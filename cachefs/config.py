@@ -243,9 +243,9 @@ class MountConfig:
     passthrough: bool = True
     # Whether --passthrough was given: then its being unavailable is a warning, not a note.
     passthrough_requested: bool = False
-    # Re-hash the data files the kernel may read directly this often: a byte
-    # changed on disk after verification is found within a day (fs-verity,
-    # which would check every read, is not there on every cache disk).
+    # Re-hash each data file the kernel may read directly this long after its
+    # last verification: a byte changed on disk after it is found within a
+    # day (fs-verity, which would check every read, is not on every kernel).
     reverify_interval_s: float = 86400.0
     # ... at most this fast, so re-verification never takes the cache disk
     # from readers (64 MiB/s: a few percent of a local NVMe disk).

@@ -9,10 +9,12 @@ import os
 import shutil
 import signal
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trio
 from cache_helpers import block_cache
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE
@@ -29,6 +31,9 @@ from mount_helpers import (
 
 from cachefs.cache import BlockCache, BlockKey
 from cachefs.cache import block_cache as block_cache_module
+from cachefs.cache.block_cache import boot_id
+from cachefs.fs.reverify import Reverifier
+from cachefs.metrics import Stats
 
 SHARD = "shards/shard-000.bin"  # 3 MiB + 17: 49 test blocks, the last one short
 ARGS = (*SPOKE_ARGS, "--prefetch-siblings", "0", "--passthrough")  # only the files a test reads get cached
@@ -292,8 +297,50 @@ def test_reverification_finds_a_changed_block_in_steps_and_drops_only_it(cache: 
     assert cache.reverify_blocks(FILE_ID, VERSION, 0, BLOCK) == (1, BLOCK, [])  # a step of about BLOCK bytes
     assert cache.reverify_blocks(FILE_ID, VERSION, 1, BLOCK) == (2, BLOCK, [keys[1]])
     assert cache.reverify_blocks(FILE_ID, VERSION, 2, BLOCK) == (None, 100, [])
-    assert cache.verified_versions() == [(FILE_ID, VERSION)]
+    [(file_id, version, verified_at_s)] = cache.verified_versions()
+    assert (file_id, version) == (FILE_ID, VERSION) and abs(verified_at_s - time.time()) < 60
     cache.drop_changed([keys[1]])
     assert cache.verified_versions() == [] and not cache.verified(FILE_ID, VERSION)
     assert [cache.contains(key) for key in keys] == [True, False, True]
     assert stat.S_IMODE(os.stat(cache.store.path(FILE_ID, VERSION)).st_mode) == 0o600
+
+
+class _Revoked:
+    """What the reverifier tells passthrough."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.files: list[tuple[bytes, bytes]] = []
+
+    def revoke(self, file_id: bytes, version: bytes) -> None:
+        self.files.append((file_id, version))
+
+
+def test_a_file_is_reverified_a_period_after_its_last_verification_even_across_restarts(cache: BlockCache) -> None:
+    """The time of a file's last verification is in the index, so a daemon started
+    since (a new Reverifier) re-hashes it when it is due, not a period after its start."""
+    keys = _insert_file(cache)
+    assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == 1
+    stats, revoked = Stats(), _Revoked()
+
+    def one_round() -> None:
+        reverifier = Reverifier(cache, revoked, stats, interval_s=3600, rate_bytes=1 << 30)
+        trio.run(reverifier.run_round)
+
+    one_round()
+    assert stats.reverified_files == 0  # verified just now: not due
+    cache.index.reverified(FILE_ID, VERSION, boot_id(), time.time() - 3601)  # as if verified before a restart
+    one_round()
+    assert (stats.reverified_files, stats.reverify_failures) == (1, 0)
+    one_round()
+    assert stats.reverified_files == 1  # its period starts again
+    with open(cache.store.path(FILE_ID, VERSION), "r+b") as disk:
+        disk.seek(2 * BLOCK + 99)
+        disk.write(b"\x00")
+    cache.index.reverified(FILE_ID, VERSION, boot_id(), time.time() - 3601)
+    one_round()
+    assert (stats.reverified_files, stats.reverify_failures) == (2, 1)
+    assert revoked.files == [(FILE_ID, VERSION)]
+    assert not cache.verified(FILE_ID, VERSION)
+    assert [cache.contains(key) for key in keys] == [True, True, False]

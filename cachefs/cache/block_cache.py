@@ -10,6 +10,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Container, Iterator
 from pathlib import Path
 
@@ -352,14 +353,19 @@ class BlockCache:
         blocks are all there and match as verified for this boot, in one commit.
         Returns how many were marked. A corrupt block is dropped."""
         checked = [blocks for file_id, version, lengths in files if (blocks := self._check_file(file_id, version, lengths))]
-        marked = self.index.mark_verified(checked, boot_id()) if checked else []
+        marked = self.index.mark_verified(checked, boot_id(), time.time()) if checked else []
         for file_id, version in marked:
             self.store.seal(file_id, version)
         return len(marked)
 
-    def verified_versions(self) -> list[tuple[bytes, bytes]]:
-        """The file versions verified whole during this boot: those the kernel may read directly."""
+    def verified_versions(self) -> list[tuple[bytes, bytes, float]]:
+        """(file id, version, wall-clock time of the last verification) of the file versions
+        verified whole during this boot: those the kernel may read directly."""
         return self.index.verified_during(boot_id())
+
+    def reverified(self, file_id: bytes, version: bytes) -> None:
+        """A verified file version matched again: its next re-verification is a period from now."""
+        self.index.reverified(file_id, version, boot_id(), time.time())
 
     def reverify_blocks(self, file_id: bytes, version: bytes, first_blockno: int,
                         max_bytes: int) -> tuple[int | None, int, list[BlockKey]]:

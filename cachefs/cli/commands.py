@@ -141,8 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mount.add_argument(
         "--reverify-interval", type=float, default=86400.0, metavar="SECONDS",
-        help="re-hash the cached files the kernel reads directly this often; one that changed on disk goes back "
-        "to the daemon and its bad blocks are fetched again (default: 86400)",
+        help="re-hash each cached file the kernel reads directly this long after its last verification; one that "
+        "changed on disk goes back to the daemon and its bad blocks are fetched again (default: 86400)",
     )
     mount.add_argument(
         "--reverify-rate", default="64M", metavar="BYTES",
