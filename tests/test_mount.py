@@ -289,7 +289,7 @@ def test_small_reads_verify_the_chunks_they_read(hub, dataset: Path, tmp_path: P
     cache_dir = tmp_path / "cache"
     relative = "shards/shard-000.bin"  # 3 MiB: blocks of 1 MiB, 64 chunks each
     source = (dataset / relative).read_bytes()
-    args = ("--fetch-timeout", "5", "--prefetch-siblings", "0")
+    args = ("--fetch-timeout", "5", "--prefetch-siblings", "0", "--no-passthrough")  # the daemon's reads are tested
     with mounted_spoke(hub.url, tmp_path, args, cache_dir=cache_dir) as spoke:
         assert (spoke.mountpoint / relative).read_bytes() == source
         wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == len(source))
@@ -319,7 +319,7 @@ def remounted_with_shard_cached(
     the same cache dir (nothing in its memory), the shard's path in it and the source's bytes."""
     relative = "shards/shard-000.bin"
     source = (dataset / relative).read_bytes()
-    args = ("--fetch-timeout", "5", "--prefetch-siblings", "0")
+    args = ("--fetch-timeout", "5", "--prefetch-siblings", "0", "--no-passthrough")  # the daemon's reads are tested
     with mounted_spoke(url, tmp_path, args, cache_dir=cache_dir) as spoke:
         assert (spoke.mountpoint / relative).read_bytes() == source
         wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == len(source))
