@@ -5,24 +5,26 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # What a spoke builds pyfuse3 with, and the demo runs: FUSE, a compiler, venv.
-DEMO_PACKAGES := fuse3 libfuse3-dev pkg-config build-essential python3-venv python3-dev
+DEMO_PACKAGES := fuse3 libfuse3-dev pkg-config build-essential python3-venv python3-dev patch
 # The tests' tools besides: the passthrough build (patch), the bench's link probe (curl),
 # the regional cache tier (nginx), promtool (prometheus), the walkthrough's TLS files and loopback (openssl, iproute2),
 # the NFS export (NFS-Ganesha with its VFS backend, rpcbind for NFSv3, libnfs's user-space client).
-TEST_PACKAGES := $(DEMO_PACKAGES) patch curl nginx prometheus openssl iproute2 nfs-ganesha nfs-ganesha-vfs rpcbind libnfs-utils
+TEST_PACKAGES := $(DEMO_PACKAGES) curl nginx prometheus openssl iproute2 nfs-ganesha nfs-ganesha-vfs rpcbind libnfs-utils
 STAMP      := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.test-installed
 
-# make install: ROLE hub (no FUSE, no compiler), spoke or all; PASSTHROUGH=yes for --passthrough.
+# PASSTHROUGH=no: the stock pyfuse3 only. By default `make setup` and `make install` also
+# try the pyfuse3 that can use FUSE passthrough (scripts/install_passthrough_fuse.sh, about
+# two minutes) and keep the stock one, with a warning, when that build fails.
+PASSTHROUGH ?= yes
+# make install: ROLE hub (no FUSE, no compiler), spoke or all.
 PREFIX  ?= /opt/cachefs
 BINDIR  ?= /usr/local/bin
 SBINDIR ?= /sbin
 ROLE    ?= all
-PASSTHROUGH ?= no
 INSTALL_PACKAGES_hub   := python3-venv
 INSTALL_PACKAGES_spoke := $(DEMO_PACKAGES)
 INSTALL_PACKAGES_all   := $(DEMO_PACKAGES)
-INSTALL_PACKAGES_passthrough := patch
 
 .PHONY: all setup test-setup demo test bench lint install clean
 
@@ -41,12 +43,19 @@ setup: $(STAMP)
 
 test-setup: $(TEST_STAMP)
 
-# The demo's venv: the hub and the spoke, a stock pyfuse3 built against the system's libfuse3.
+# The demo's venv: the hub and the spoke, pyfuse3 with FUSE passthrough (libfuse 3.17 built
+# into the venv if the system's is older), or the stock pyfuse3 if that build fails.
 $(STAMP): pyproject.toml
 	$(call apt_install,$(DEMO_PACKAGES))
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[hub,spoke]'
+ifeq ($(PASSTHROUGH),yes)
+	@echo "building the pyfuse3 for FUSE passthrough (PASSTHROUGH=no skips it)"
+	@scripts/install_passthrough_fuse.sh $(VENV) >$(VENV)/passthrough-build.log 2>&1 \
+		|| { echo "warning: cannot build the pyfuse3 for FUSE passthrough (see $(VENV)/passthrough-build.log); keeping the stock pyfuse3, with which the daemon serves every read" >&2; \
+		     $(BIN)/pip install -q -e '.[hub,spoke]'; }
+endif
 	touch $(STAMP)
 
 # The tests' venv adds pyfuse3 with FUSE passthrough (libfuse 3.17 built into the venv,
@@ -81,9 +90,9 @@ lint: test-setup
 	$(BIN)/python -m mypy hubserver cachefs bench
 
 install:
-	$(call apt_install,$(INSTALL_PACKAGES_$(ROLE)) $(if $(filter yes,$(PASSTHROUGH)),$(INSTALL_PACKAGES_passthrough)))
+	$(call apt_install,$(INSTALL_PACKAGES_$(ROLE)))
 	scripts/install.sh --role $(ROLE) --prefix $(PREFIX) --bin-dir $(BINDIR) --sbin-dir $(SBINDIR) \
-		$(if $(filter yes,$(PASSTHROUGH)),--passthrough)
+		$(if $(filter no,$(PASSTHROUGH)),--no-passthrough-build)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

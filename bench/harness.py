@@ -39,7 +39,7 @@ from .processes import (
     wan_bytes_from_summary,
 )
 from .side_by_side import alternate
-from .targets import PASSTHROUGH_STATE
+from .targets import CHECKED_STATE
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +64,12 @@ class Link:
         return self.rate_mbit / 8 if self.rate_mbit else None
 
 
-# One warm run with the kernel reading verified cached files directly (FUSE
-# passthrough, docs/usage.md), on this link: warm reads fetch nothing, so one link shows it.
-PASSTHROUGH_LINK = "capped"
-PASSTHROUGH_ARGS = ("--passthrough",)
+# By default the kernel reads verified cached files directly (FUSE passthrough,
+# docs/usage.md). On this link every cached file is first read whole and verified
+# before the warm run, and one more warm run measures the daemon's checked path
+# (--no-passthrough): warm reads fetch nothing, so one link shows both.
+CHECKED_LINK = "capped"
+CHECKED_ARGS = ("--no-passthrough",)
 VERIFY_TIMEOUT_S = 120.0
 
 LINKS = {
@@ -320,7 +322,7 @@ class Bench:
                 "bytes_read": bytes_read(results),
             }
             record["resources"]["fetched_bytes"] = _fetched_bytes(results)
-            if scenario.system == "cachefs" and scenario.state in ("warm", PASSTHROUGH_STATE):
+            if scenario.system == "cachefs" and scenario.state in ("warm", CHECKED_STATE):
                 try:  # after the scenario's own figures, which a failure here must not lose
                     record["side_by_side"] = alternate(self.config.data_dir, mount.mountpoint,
                                                        self.config.budget.time_limit_s)
@@ -401,25 +403,27 @@ class Bench:
             except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
                 log.error("prewarm of %s over %s failed: %s", system, link.label, exc)
             caps = warm_caps(cold.get("results"))
-            self.run_scenario(Scenario(system, link, "warm"), self._measure(server, link, cache_dir, port, caps))
-            if system == "cachefs" and link.key == PASSTHROUGH_LINK:
+            checked = system == "cachefs" and link.key == CHECKED_LINK
+            if checked:
                 try:
                     self.prewarms.append(self.verify_for_passthrough(server, link, cache_dir, port["wan"],
                                                                      small_files_read(cold.get("results"))))
                 except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-                    log.error("reading the cache for --passthrough over %s failed: %s", link.label, exc)
-                self.run_scenario(Scenario(system, link, PASSTHROUGH_STATE),
-                                  self._measure(server, link, cache_dir, port, caps, PASSTHROUGH_ARGS))
+                    log.error("reading the cache for passthrough over %s failed: %s", link.label, exc)
+            self.run_scenario(Scenario(system, link, "warm"), self._measure(server, link, cache_dir, port, caps))
+            if checked:
+                self.run_scenario(Scenario(system, link, CHECKED_STATE),
+                                  self._measure(server, link, cache_dir, port, caps, CHECKED_ARGS))
 
     def verify_for_passthrough(self, server: Server, link: Link, cache_dir: Path, port: int,
                                small_cap: int | None) -> dict[str, Any]:
-        """Before the --passthrough run: read every file the warm run reads once through a
-        --passthrough mount, whose daemon then verifies each whole file for the kernel, and
-        wait (bounded) for the verifications. Nothing is fetched: the cache holds them all."""
+        """Before the warm run: read every file the warm run reads once, whole, through a
+        mount whose daemon then verifies each one for the kernel (passthrough), and wait
+        (bounded) for the verifications. Blocks the cold run left out are fetched here."""
         scenario = Scenario("cachefs", link, "verify")
         record: dict[str, Any] = {"name": scenario.name}
         with self.link_to(server, link, scenario.slug, port) as (url, wan):
-            mount = self.mount("cachefs", url, scenario, cache_dir, PASSTHROUGH_ARGS)
+            mount = self.mount("cachefs", url, scenario, cache_dir)
             try:
                 dataset = find_dataset(mount.mountpoint)
                 files = [*dataset.large, *dataset.small[:small_cap]]
@@ -432,7 +436,7 @@ class Bench:
             finally:
                 mount.unmount()
         record["wan_bytes"] = wan["bytes"]
-        log.info("verified %s of %d files for --passthrough in %.0f s", record.get("verified_files"),
+        log.info("verified %s of %d files for passthrough in %.0f s", record.get("verified_files"),
                  record.get("files", 0), record.get("wall_s", 0))
         return record
 

@@ -16,7 +16,7 @@ RAND4K_P99_RATIO = 2.0  # warm random 4 KiB p99 at most this times local disk's
 PEAK_RSS_LIMIT_BYTES = 128 << 20
 COLD_CPU_S_PER_GB = 3.0  # daemon CPU per GB read, every cold run
 WARM_CPU_S_PER_GB = 1.0  # daemon CPU per GB read, every warm run
-PASSTHROUGH_STATE = "warm, --passthrough"  # the state of the run with --passthrough (harness.py)
+CHECKED_STATE = "warm, --no-passthrough"  # the warm run of the daemon's checked path (harness.py), no targets
 
 
 def _find(scenarios: Sequence[dict[str, Any]], system: str, link: str | None, state: str) -> dict[str, Any] | None:
@@ -115,7 +115,6 @@ def evaluate(scenarios: Sequence[dict[str, Any]], link_ceilings: Sequence[dict[s
     rows.append(_rss_target(scenarios))
     rows.append(_cpu_target(scenarios, "cold", COLD_CPU_S_PER_GB))
     rows.append(_cpu_target(scenarios, "warm", WARM_CPU_S_PER_GB))
-    rows.extend(_passthrough_targets(local, _find(scenarios, "cachefs", "capped", PASSTHROUGH_STATE)))
     return rows
 
 
@@ -141,16 +140,6 @@ def _uncapped_target(cold: dict[str, Any] | None, ceiling: dict[str, Any] | None
     target_mb_per_s = COLD_UNCAPPED_CEILING_SHARE * ceiling["mb_per_s"]
     return _cold_target(f"cold sequential at 60 ms uncapped >= {100 * COLD_UNCAPPED_CEILING_SHARE:.0f} % of what "
                         f"curl carried through the link ({target_mb_per_s:,.0f} MB/s)", cold, target_mb_per_s, ceiling)
-
-
-def _passthrough_targets(local: dict[str, Any] | None, warm: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """The warm targets again for the run with --passthrough (the kernel reads verified cached files)."""
-    seq = _seq_target("warm sequential with --passthrough >= 90 % of local and >= 1.3 GB/s", warm, _warm_check, local)
-    rand = _rand4k_target(local, warm)
-    loader = _loader_target(local, warm)
-    for row in (rand, loader):
-        row["target"] += " (--passthrough)"
-    return [seq, rand, loader]
 
 
 def _rand4k_target(local: dict[str, Any] | None, warm: dict[str, Any] | None) -> dict[str, Any]:

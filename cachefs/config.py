@@ -235,10 +235,21 @@ class MountConfig:
     fuse_max_background: int = 32
     # Let the kernel read whole, verified cached files straight from the
     # cache's data files (FUSE passthrough; Linux >= 6.9, root, the pyfuse3
-    # of scripts/install_passthrough_fuse.sh). Off by default: those reads are
-    # not checked against the block checksums, so a data file changed on disk
-    # after its verification would be served as it is (docs/usage.md).
-    passthrough: bool = False
+    # of scripts/install_passthrough_fuse.sh): local disk speed for warm
+    # reads. On by default; without those, the daemon serves every read
+    # (one log line). Those reads skip the per-read checksum check, so a file
+    # is handed over only once verified whole, its data file is sealed
+    # read-only and re-verified every reverify_interval_s (docs/usage.md).
+    passthrough: bool = True
+    # Whether --passthrough was given: then its being unavailable is a warning, not a note.
+    passthrough_requested: bool = False
+    # Re-hash each data file the kernel may read directly this long after its
+    # last verification: a byte changed on disk after it is found within a
+    # day (fs-verity, which would check every read, is not on every kernel).
+    reverify_interval_s: float = 86400.0
+    # ... at most this fast, so re-verification never takes the cache disk
+    # from readers (64 MiB/s: a few percent of a local NVMe disk).
+    reverify_rate_bytes: int = 64 * MiB
     # Poll the hub for a new generation every this many seconds and move to
     # it; None: only on `cachefs refresh` (a job sees one snapshot), or once
     # after a mount that came up on its stored snapshot (manifest_wait_s).

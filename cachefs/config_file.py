@@ -3,6 +3,7 @@ before the command line's own so that flags override the file.
 
     cache_size = "500G"      ->  --cache-size 500G
     allow_other = true       ->  --allow-other
+    passthrough = false      ->  --no-passthrough
 
 Standard library only: the hub's CLI uses it too.
 """
@@ -43,6 +44,7 @@ def options_from_file(path: Path, parser: argparse.ArgumentParser) -> list[str]:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigFileError(f"config file {path} is not valid TOML: {exc}") from None
     known = {action.dest for action in parser._actions if action.option_strings and action.help != argparse.SUPPRESS}
+    negatable = {action.dest for action in parser._actions if isinstance(action, argparse.BooleanOptionalAction)}
     options: list[str] = []
     for key, value in table.items():
         if key not in known or key in ("config", "help"):
@@ -53,6 +55,8 @@ def options_from_file(path: Path, parser: argparse.ArgumentParser) -> list[str]:
         elif isinstance(value, list):  # an option given once per item (tier = ["http://a", "http://b"])
             for item in value:
                 options += [flag, str(item)]
+        elif value is False and key in negatable:  # passthrough = false -> --no-passthrough
+            options.append("--no-" + key.replace("_", "-"))
         elif value is not False:
             options += [flag, str(value)]
     return options

@@ -39,6 +39,7 @@ from .fs.hub_silence import HubSilence
 from .fs.mountpoints import find_mount
 from .fs.operations import CachefsOperations
 from .fs.passthrough import Passthrough
+from .fs.reverify import Reverifier
 from .metrics import Stats, cache_gauges, serve_metrics, training_gauges
 from .namespace.snapshots import Snapshots
 from .namespace.tree import Changes, Namespace
@@ -225,8 +226,12 @@ async def _serve(
 
             sections = {"training": planner.snapshot, "tenants": lambda: share.snapshot(cache.used_bytes(), cache.pinned_bytes())}
             admin = Admin(config, namespace, cache, fetcher, stats, refresh=refresh, sections=sections)
-            passthrough = Passthrough(cache, plans, stats, enabled=config.passthrough)
+            passthrough = Passthrough(cache, plans, stats, enabled=config.passthrough, requested=config.passthrough_requested)
             await nursery.start(passthrough.run_verifier)
+            if passthrough.enabled:
+                reverifier = Reverifier(cache, passthrough, stats, interval_s=config.reverify_interval_s,
+                                        rate_bytes=config.reverify_rate_bytes)
+                await nursery.start(reverifier.run)
             operations = CachefsOperations(
                 namespace,
                 reader,

@@ -56,5 +56,9 @@ class OpenInAnotherVersion(CachefsError):
     """A file is open in passthrough mode in an older version than the mount now shows."""
 
 
+class DataFileChanged(CachefsError):
+    """A file open in passthrough mode failed its re-verification: no new open may share its data file."""
+
+
 class CacheDirInUse(CachefsError):
     """Another daemon holds the cache dir lock."""

@@ -79,6 +79,8 @@ class Stats:
     plan_unplanned_blocks: int = 0  # block reads that matched no active plan while one was active
     passthrough_opens: int = 0  # opens of whole verified cached files the kernel reads directly (fs/passthrough.py)
     verified_files: int = 0  # cached files read back whole and verified, so they can be opened that way
+    reverified_files: int = 0  # verified files re-hashed whole on the period (fs/reverify.py)
+    reverify_failures: int = 0  # of those, files whose data file had changed on disk (taken back from the kernel)
     hub_errors: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     fuse_errors: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     # With a regional tier (fetch/tier_client.py), by node position in --tier or "hub":
@@ -118,6 +120,8 @@ _COUNTERS = {  # Stats field -> (metric name without _total, help)
     "plan_unplanned_blocks": ("cachefs_plan_unplanned_blocks", "Block reads no active plan expected"),
     "passthrough_opens": ("cachefs_passthrough_opens", "Opens of whole verified cached files read by the kernel directly"),
     "verified_files": ("cachefs_verified_files", "Cached files verified whole, so the kernel may read them directly"),
+    "reverified_files": ("cachefs_reverified_files", "Verified cached files re-hashed whole on the re-verification period"),
+    "reverify_failures": ("cachefs_reverify_failures", "Verified cached files whose data file changed on disk"),
 }
 
 

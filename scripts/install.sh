@@ -3,7 +3,7 @@
 # its system files in place (what `make install` runs; docs/operations.md).
 #
 #   scripts/install.sh [--role hub|spoke|all] [--prefix DIR] [--bin-dir DIR]
-#                      [--sbin-dir DIR] [--no-system-files] [--passthrough]
+#                      [--sbin-dir DIR] [--no-system-files] [--passthrough | --no-passthrough-build]
 #
 #   --role             hub: cachefs-hub, no FUSE and no compiler; spoke: cachefs,
 #                      with pyfuse3 built against the system's libfuse3; all: both
@@ -14,8 +14,13 @@
 #                      runs for `-t fuse.cachefs` and fstab (default /sbin)
 #   --no-system-files  only the virtualenv and the symlinks (container images):
 #                      no units, sysusers.d, tmpfiles.d, mount helpers, /etc/cachefs
-#   --passthrough      a pyfuse3 that can use FUSE passthrough (`cachefs mount
-#                      --passthrough`), see scripts/install_passthrough_fuse.sh
+#   --passthrough      a spoke's pyfuse3 must be the build that can use FUSE
+#                      passthrough (scripts/install_passthrough_fuse.sh): fail if
+#                      it cannot be built. By default a spoke tries that build and,
+#                      if it fails, installs the stock pyfuse3 with a warning (the
+#                      daemon then serves every read itself)
+#   --no-passthrough-build
+#                      the stock pyfuse3 only (no libfuse 3.17 build, no patch)
 #
 # System files: the systemd units (with DIR of --prefix in their commands) in
 # /etc/systemd/system, the cachefs user (sysusers.d) and the owner and mode of
@@ -29,8 +34,8 @@ prefix=/opt/cachefs
 bin_dir=/usr/local/bin
 sbin_dir=/sbin
 system_files=yes
-passthrough=no
-usage="usage: $0 [--role hub|spoke|all] [--prefix DIR] [--bin-dir DIR] [--sbin-dir DIR] [--no-system-files] [--passthrough]"
+passthrough=default
+usage="usage: $0 [--role hub|spoke|all] [--prefix DIR] [--bin-dir DIR] [--sbin-dir DIR] [--no-system-files] [--passthrough | --no-passthrough-build]"
 while [ $# -gt 0 ]; do
     case $1 in
         --role) role=${2:?$usage}; shift 2 ;;
@@ -39,6 +44,7 @@ while [ $# -gt 0 ]; do
         --sbin-dir) sbin_dir=${2:?$usage}; shift 2 ;;
         --no-system-files) system_files=no; shift ;;
         --passthrough) passthrough=yes; shift ;;
+        --no-passthrough-build) passthrough=no; shift ;;
         -h|--help) echo "$usage"; exit 0 ;;
         *) echo "$0: unknown argument '$1'; $usage" >&2; exit 2 ;;
     esac
@@ -66,6 +72,11 @@ if [ ! -x "$prefix/bin/python" ]; then
 fi
 if [ "$passthrough" = yes ]; then
     "$root/scripts/install_passthrough_fuse.sh" "$prefix"
+elif [ "$passthrough" = default ] && [ "$role" != hub ]; then
+    echo "building the pyfuse3 for FUSE passthrough (--no-passthrough-build skips it)"
+    if ! "$root/scripts/install_passthrough_fuse.sh" "$prefix" >"$prefix/passthrough-build.log" 2>&1; then
+        echo "warning: cannot build the pyfuse3 for FUSE passthrough (see $prefix/passthrough-build.log); installing the stock pyfuse3, with which the daemon serves every read" >&2
+    fi
 fi
 # Built from a copy, so that the source tree gets no build/ or egg-info.
 work=$(mktemp -d)

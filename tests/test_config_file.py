@@ -65,3 +65,16 @@ def test_a_list_in_a_config_file_gives_its_option_once_per_item(tmp_path: Path) 
     argv = with_config_file(command_line, build_parser(), "mount")
     assert argv[:5] == ["mount", "--tier", "http://tier-0:8470", "--tier", "http://tier-1:8470"]
     assert build_parser().parse_args(argv).tier == ["http://tier-0:8470", "http://tier-1:8470"]
+
+
+def test_passthrough_false_in_a_config_file_turns_it_off(tmp_path: Path) -> None:
+    from cachefs.cli.commands import build_parser
+    from cachefs.config_file import with_config_file
+
+    config = tmp_path / "cachefs.toml"
+    config.write_text("passthrough = false\nallow_other = false\n")
+    command_line = ["mount", "http://hub:8470", "/mnt", "--cache-dir", "/c", "--config", str(config)]
+    argv = with_config_file(command_line, build_parser(), "mount")
+    assert argv[:2] == ["mount", "--no-passthrough"]  # allow_other = false: nothing to turn off
+    assert build_parser().parse_args(argv).passthrough is False
+    assert build_parser().parse_args(command_line).passthrough is None  # the default: on where possible

@@ -381,7 +381,7 @@ def test_mount_helper_translates_fstab_options(tmp_path: Path) -> None:
         "prefetch_siblings=0", "refresh_interval=300", "manifest_wait=90", "metrics_listen=127.0.0.1:9478", "token_file=/etc/t",
         "ca_file=/etc/ca.pem", "tls_cert=/etc/c.pem", "tls_key=/etc/k.pem", "config=/etc/cachefs/data.toml",
         "uid=nobody", "gid=4242", "file_mode=0640", "dir_mode=0750", "default_permissions", "max_read=131072", "ro",
-        "x-systemd.requires-mounts-for=/var/cache/cachefs",
+        "x-systemd.requires-mounts-for=/var/cache/cachefs", "nopassthrough", "reverify_interval=3600", "reverify_rate=32M",
     ])
     result = run_helper("-f", "-v", "http://hub:8470", tmp_path / "mnt", "-o", options, "-n", "-t", "fuse.cachefs")
     assert result.returncode == 0, result.stderr
@@ -392,7 +392,8 @@ def test_mount_helper_translates_fstab_options(tmp_path: Path) -> None:
         "--cache-size 600G --block-size 4M --max-connections 32 --readahead-blocks 4 --fetch-timeout 45 "
         "--prefetch-siblings 0 --refresh-interval 300 --manifest-wait 90 --mount-timeout 600 --metrics-listen 127.0.0.1:9478 "
         "--token-file /etc/t --ca-file /etc/ca.pem --tls-cert /etc/c.pem --tls-key /etc/k.pem "
-        "--uid nobody --gid 4242 --file-mode 0640 --dir-mode 0750 --config /etc/cachefs/data.toml --allow-other --debug"
+        "--uid nobody --gid 4242 --file-mode 0640 --dir-mode 0750 --config /etc/cachefs/data.toml "
+        "--reverify-interval 3600 --reverify-rate 32M --allow-other --no-passthrough --debug"
     )
     assert not (tmp_path / "mnt").exists()
 

@@ -108,6 +108,10 @@ def test_the_spoke_installs_with_stock_pyfuse3_and_mounts(hub: HubProcess, datas
         assert mounted.returncode == 0, mounted.stderr
         for relative in source_files(dataset)[:10]:
             assert (mountpoint / relative).read_bytes() == (dataset / relative).read_bytes(), relative
+        # Passthrough is on by default: with the stock pyfuse3 the daemon serves every read, said once, no warning.
+        log = (cache_dir / "cachefs.log").read_text()
+        assert log.count("FUSE passthrough is not available (this pyfuse3 cannot hand files to the kernel") == 1, log
+        assert " WARNING " not in log and " ERROR " not in log, log
         unmounted = subprocess.run([cachefs, "unmount", mountpoint], capture_output=True, text=True, timeout=120,
                                    env=offline_env(), check=False)
         assert unmounted.returncode == 0, unmounted.stderr
@@ -121,6 +125,7 @@ def test_install_refuses_bad_arguments_in_one_line(tmp_path: Path) -> None:
         (["--role", "cache"], "--role is hub, spoke or all, not 'cache'"),
         (["--prefix", "relative/dir"], "--prefix must be an absolute path"),
         (["--role", "hub", "--passthrough"], "--passthrough is for a spoke"),
+        (["--no-passthrough-build", "--bogus"], "unknown argument '--bogus'"),
         (["--colour"], "unknown argument '--colour'"),
     ]:
         result = subprocess.run([REPO_ROOT / "scripts" / "install.sh", *args], capture_output=True, text=True,

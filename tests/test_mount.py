@@ -267,7 +267,9 @@ def test_cache_stays_under_its_size_limit(hub, dataset: Path, tmp_path: Path) ->
 def test_corrupt_cached_block_is_dropped_and_refetched(hub, dataset: Path, tmp_path: Path) -> None:
     cache_dir = tmp_path / "cache"
     relative = "shards/shard-002.bin"
-    args = (*SPOKE_ARGS, "--prefetch-siblings", "0")  # exactly one block gets cached
+    # Exactly one block gets cached; the daemon checks every read (with passthrough a file changed on disk
+    # after its verification is found by re-verification instead: test_passthrough.py).
+    args = (*SPOKE_ARGS, "--prefetch-siblings", "0", "--no-passthrough")
     with mounted_spoke(hub.url, tmp_path, args, cache_dir=cache_dir) as spoke:
         assert (spoke.mountpoint / relative).read_bytes() == (dataset / relative).read_bytes()
     [block_file] = cache_data_files(cache_dir)
@@ -288,7 +290,7 @@ def test_small_reads_verify_the_chunks_they_read(hub, dataset: Path, tmp_path: P
     cache_dir = tmp_path / "cache"
     relative = "shards/shard-000.bin"  # 3 MiB: blocks of 1 MiB, 64 chunks each
     source = (dataset / relative).read_bytes()
-    args = ("--fetch-timeout", "5", "--prefetch-siblings", "0")
+    args = ("--fetch-timeout", "5", "--prefetch-siblings", "0", "--no-passthrough")  # the daemon's reads are tested
     with mounted_spoke(hub.url, tmp_path, args, cache_dir=cache_dir) as spoke:
         assert (spoke.mountpoint / relative).read_bytes() == source
         wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == len(source))
@@ -318,7 +320,7 @@ def remounted_with_shard_cached(
     the same cache dir (nothing in its memory), the shard's path in it and the source's bytes."""
     relative = "shards/shard-000.bin"
     source = (dataset / relative).read_bytes()
-    args = ("--fetch-timeout", "5", "--prefetch-siblings", "0")
+    args = ("--fetch-timeout", "5", "--prefetch-siblings", "0", "--no-passthrough")  # the daemon's reads are tested
     with mounted_spoke(url, tmp_path, args, cache_dir=cache_dir) as spoke:
         assert (spoke.mountpoint / relative).read_bytes() == source
         wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == len(source))

@@ -1,5 +1,6 @@
-"""FUSE passthrough (--passthrough): whole, verified cached files are read by the kernel
-from the cache's data files; anything else, and every read without it, through the daemon."""
+"""FUSE passthrough (on by default): whole, verified cached files are read by the kernel
+from the cache's data files, which are sealed and re-verified on a period; anything else,
+and every read with --no-passthrough, through the daemon."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import errno
 import os
 import shutil
 import signal
+import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trio
 from cache_helpers import block_cache
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE
@@ -27,6 +31,9 @@ from mount_helpers import (
 
 from cachefs.cache import BlockCache, BlockKey
 from cachefs.cache import block_cache as block_cache_module
+from cachefs.cache.block_cache import boot_id
+from cachefs.fs.reverify import Reverifier
+from cachefs.metrics import Stats
 
 SHARD = "shards/shard-000.bin"  # 3 MiB + 17: 49 test blocks, the last one short
 ARGS = (*SPOKE_ARGS, "--prefetch-siblings", "0", "--passthrough")  # only the files a test reads get cached
@@ -66,15 +73,64 @@ def test_a_file_read_whole_is_then_read_by_the_kernel_from_the_cache(hub: HubPro
         assert spoke.stats()["fetched_bytes"] == 0
 
 
-def test_without_passthrough_the_daemon_serves_every_read(hub: HubProcess, dataset: Path, tmp_path: Path) -> None:
+def test_passthrough_is_the_default(hub: HubProcess, dataset: Path, tmp_path: Path) -> None:
     source = (dataset / SHARD).read_bytes()
     with mounted_spoke(hub.url, tmp_path, (*SPOKE_ARGS, "--prefetch-siblings", "0")) as spoke:
+        assert read_uncached(spoke.mountpoint / SHARD) == source
+        wait_for_stats(spoke, lambda stats: stats["verified_files"] >= 1)
+        data, moved = _read_through_kernel(spoke, SHARD)
+        assert data == source
+        assert moved == {"reads": 0, "passthrough_opens": 1}
+
+
+def test_with_no_passthrough_the_daemon_serves_every_read(hub: HubProcess, dataset: Path, tmp_path: Path) -> None:
+    source = (dataset / SHARD).read_bytes()
+    with mounted_spoke(hub.url, tmp_path, (*SPOKE_ARGS, "--prefetch-siblings", "0", "--no-passthrough")) as spoke:
         assert read_uncached(spoke.mountpoint / SHARD) == source
         wait_for_stats(spoke, lambda stats: stats["cached_bytes"] >= len(source))
         data, moved = _read_through_kernel(spoke, SHARD)
         assert data == source
         assert moved["passthrough_opens"] == 0 and moved["reads"] > 0
         assert spoke.stats()["verified_files"] == 0
+        modes = {stat.S_IMODE(path.stat().st_mode) for path in cache_data_files(spoke.cache_dir)}
+        assert modes == {0o600}  # never sealed: the daemon checks every read
+
+
+def test_a_byte_changed_on_disk_after_verification_is_found_and_never_served_after(
+        hub: HubProcess, dataset: Path, tmp_path: Path) -> None:
+    """The kernel reads a verified file without a check, so its data file is sealed and
+    re-verified on a period: a byte changed on disk afterwards (root ignores the seal, and
+    so does a failing disk) is found, counted, and the file goes back to the daemon, which
+    fetches the changed block again; the changed byte is never served after that."""
+    source = (dataset / SHARD).read_bytes()
+    with mounted_spoke(hub.url, tmp_path, (*ARGS, "--reverify-interval", "0.5")) as spoke:
+        assert read_uncached(spoke.mountpoint / SHARD) == source
+        wait_for_stats(spoke, lambda stats: stats["verified_files"] >= 1)
+        data, moved = _read_through_kernel(spoke, SHARD)
+        assert data == source
+        assert moved == {"reads": 0, "passthrough_opens": 1}
+        [data_file] = [path for path in cache_data_files(spoke.cache_dir) if path.stat().st_size == len(source)]
+        assert stat.S_IMODE(data_file.stat().st_mode) == 0o400  # sealed
+        wait_for_stats(spoke, lambda stats: stats["reverified_files"] >= 1)
+        assert spoke.stats()["reverify_failures"] == 0
+        offset = 7 * TEST_BLOCK_SIZE + 123
+        with open(data_file, "r+b") as disk:
+            disk.seek(offset)
+            disk.write(bytes([source[offset] ^ 0xFF]))
+        fetched = spoke.stats()["fetched_bytes"]
+        stats = wait_for_stats(spoke, lambda stats: stats["reverify_failures"] == 1)
+        assert stat.S_IMODE(data_file.stat().st_mode) == 0o600  # unsealed: the block is written again
+        verified = stats["verified_files"]
+        data, moved = _read_through_kernel(spoke, SHARD)  # by the daemon
+        assert data == source
+        assert moved["passthrough_opens"] == 0 and moved["reads"] > 0
+        wait_for_stats(spoke, lambda stats: stats["verified_files"] > verified)
+        data, moved = _read_through_kernel(spoke, SHARD)  # verified again: by the kernel
+        assert data == source
+        assert moved == {"reads": 0, "passthrough_opens": 1}
+        assert spoke.stats()["fetched_bytes"] - fetched == TEST_BLOCK_SIZE  # the changed block only
+        assert spoke.stats()["reverify_failures"] == 1
+        assert stats["corrupt_blocks"] == 0  # found by the re-verification, not by a read
 
 
 def test_a_corrupt_block_is_never_handed_to_the_kernel(hub: HubProcess, dataset: Path, tmp_path: Path) -> None:
@@ -214,3 +270,77 @@ def test_a_held_file_keeps_its_blocks_and_its_mark(cache: BlockCache) -> None:
     cache.unhold(FILE_ID, VERSION)
     cache.remove(keys[0])
     assert not cache.contains(keys[0]) and not cache.verified(FILE_ID, VERSION)
+
+
+def test_a_verified_data_file_is_sealed_and_only_a_drop_unseals_it(cache: BlockCache) -> None:
+    keys = _insert_file(cache)
+    path = cache.store.path(FILE_ID, VERSION)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == 1
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o400
+    assert cache.insert_many([(keys[0], b"\xee" * BLOCK, True)]) == 0  # refused (root could write any mode)
+    entry = cache.entry(keys[0])
+    assert entry is not None and cache.read(keys[0], entry) == b"\x01" * BLOCK
+    assert cache.verified(FILE_ID, VERSION)
+    cache.remove(keys[0])
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and not cache.verified(FILE_ID, VERSION)
+    assert cache.insert_many([(keys[0], b"\x01" * BLOCK, False)]) == 1
+
+
+def test_reverification_finds_a_changed_block_in_steps_and_drops_only_it(cache: BlockCache) -> None:
+    keys = _insert_file(cache)
+    assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == 1
+    assert cache.reverify_blocks(FILE_ID, VERSION, 0, 1 << 30) == (None, sum(LENGTHS), [])
+    with open(cache.store.path(FILE_ID, VERSION), "r+b") as disk:
+        disk.seek(BLOCK + 5)
+        disk.write(b"\xff")
+    assert cache.reverify_blocks(FILE_ID, VERSION, 0, BLOCK) == (1, BLOCK, [])  # a step of about BLOCK bytes
+    assert cache.reverify_blocks(FILE_ID, VERSION, 1, BLOCK) == (2, BLOCK, [keys[1]])
+    assert cache.reverify_blocks(FILE_ID, VERSION, 2, BLOCK) == (None, 100, [])
+    [(file_id, version, verified_at_s)] = cache.verified_versions()
+    assert (file_id, version) == (FILE_ID, VERSION) and abs(verified_at_s - time.time()) < 60
+    cache.drop_changed([keys[1]])
+    assert cache.verified_versions() == [] and not cache.verified(FILE_ID, VERSION)
+    assert [cache.contains(key) for key in keys] == [True, False, True]
+    assert stat.S_IMODE(os.stat(cache.store.path(FILE_ID, VERSION)).st_mode) == 0o600
+
+
+class _Revoked:
+    """What the reverifier tells passthrough."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.files: list[tuple[bytes, bytes]] = []
+
+    def revoke(self, file_id: bytes, version: bytes) -> None:
+        self.files.append((file_id, version))
+
+
+def test_a_file_is_reverified_a_period_after_its_last_verification_even_across_restarts(cache: BlockCache) -> None:
+    """The time of a file's last verification is in the index, so a daemon started
+    since (a new Reverifier) re-hashes it when it is due, not a period after its start."""
+    keys = _insert_file(cache)
+    assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == 1
+    stats, revoked = Stats(), _Revoked()
+
+    def one_round() -> None:
+        reverifier = Reverifier(cache, revoked, stats, interval_s=3600, rate_bytes=1 << 30)
+        trio.run(reverifier.run_round)
+
+    one_round()
+    assert stats.reverified_files == 0  # verified just now: not due
+    cache.index.reverified(FILE_ID, VERSION, boot_id(), time.time() - 3601)  # as if verified before a restart
+    one_round()
+    assert (stats.reverified_files, stats.reverify_failures) == (1, 0)
+    one_round()
+    assert stats.reverified_files == 1  # its period starts again
+    with open(cache.store.path(FILE_ID, VERSION), "r+b") as disk:
+        disk.seek(2 * BLOCK + 99)
+        disk.write(b"\x00")
+    cache.index.reverified(FILE_ID, VERSION, boot_id(), time.time() - 3601)
+    one_round()
+    assert (stats.reverified_files, stats.reverify_failures) == (2, 1)
+    assert revoked.files == [(FILE_ID, VERSION)]
+    assert not cache.verified(FILE_ID, VERSION)
+    assert [cache.contains(key) for key in keys] == [True, True, False]

@@ -25,8 +25,9 @@ from mount_helpers import (
 from cachefs.cache.tenants import Ledger, TenantRecord
 
 POOL = 8 * MiB
-# The cyclic loader reads without read-ahead: each block it reads is one demand access, a hit or a miss.
-PLAIN_ARGS = (*SPOKE_ARGS, "--readahead-blocks", "0", "--prefetch-siblings", "0")
+# The cyclic loader reads without read-ahead: each block it reads is one demand access, a hit or a miss;
+# and through the daemon, which counts them (the kernel's direct reads of whole files would not be).
+PLAIN_ARGS = (*SPOKE_ARGS, "--readahead-blocks", "0", "--prefetch-siblings", "0", "--no-passthrough")
 
 
 def make_files(root: Path, count: int, size: int, seed: int) -> list[str]:

@@ -10,6 +10,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Container, Iterator
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from .keys import BlockData, BlockKey
 from .plan_eviction import EvictionAdvisor, PlanVictims, Victims
 from .policy import FrequencySketch
 from .share import TenantShare
-from .store import BlockStore
+from .store import BlockStore, SealedDataFile
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +210,9 @@ class BlockCache:
             for key, data in admitted:
                 try:
                     self.store.write(key, data)
+                except SealedDataFile as exc:  # its verified bytes are on disk already
+                    log.warning("not writing %s: %s", key, exc)
+                    continue
                 except OSError as exc:
                     self._note_store_failure(exc)
                     continue
@@ -349,7 +353,59 @@ class BlockCache:
         blocks are all there and match as verified for this boot, in one commit.
         Returns how many were marked. A corrupt block is dropped."""
         checked = [blocks for file_id, version, lengths in files if (blocks := self._check_file(file_id, version, lengths))]
-        return self.index.mark_verified(checked, boot_id()) if checked else 0
+        marked = self.index.mark_verified(checked, boot_id(), time.time()) if checked else []
+        for file_id, version in marked:
+            self.store.seal(file_id, version)
+        return len(marked)
+
+    def verified_versions(self) -> list[tuple[bytes, bytes, float]]:
+        """(file id, version, wall-clock time of the last verification) of the file versions
+        verified whole during this boot: those the kernel may read directly."""
+        return self.index.verified_during(boot_id())
+
+    def reverified(self, file_id: bytes, version: bytes) -> None:
+        """A verified file version matched again: its next re-verification is a period from now."""
+        self.index.reverified(file_id, version, boot_id(), time.time())
+
+    def reverify_blocks(self, file_id: bytes, version: bytes, first_blockno: int,
+                        max_bytes: int) -> tuple[int | None, int, list[BlockKey]]:
+        """Worker thread: re-hash a verified file version's cached blocks from
+        `first_blockno` on, about `max_bytes` of them. Returns the block to go on from
+        (None: the end), the bytes read, and the blocks whose bytes no longer match."""
+        entries: list[tuple[BlockKey, IndexEntry]] = []
+        next_blockno = None
+        planned = 0
+        for key, entry in self.index.version_entries(file_id, version, first_blockno):  # no disk read in its transaction
+            if planned >= max_bytes:
+                next_blockno = key.blockno
+                break
+            entries.append((key, entry))
+            planned += entry.length
+        read = 0
+        bad: list[BlockKey] = []
+        for key, entry in entries:
+            try:
+                data = self.store.read(key, 0, entry.length)
+            except OSError as exc:
+                log.warning("cannot read cached %s: %s", key, exc)
+                data = None
+            read += entry.length
+            if data is None or chunk_sums(data) != entry.chunk_sums:
+                bad.append(key)
+        return next_blockno, read, bad
+
+    def drop_changed(self, keys: list[BlockKey]) -> None:
+        """Drop blocks whose bytes changed on disk after their file was verified: their
+        entries and the file's verified mark go (so they are fetched again), the data
+        file is unsealed, and their bytes punched out unless the kernel holds the file
+        open (then the next fetch writes the hub's bytes over them)."""
+        with self._lock:
+            self.index.remove_many(keys)
+            for file_id, version in {(key.file_id, key.version) for key in keys}:
+                self.store.unseal(file_id, version)
+            for key in keys:
+                if self._start_drop(key):
+                    self._finish_drops([key])
 
     def _check_file(self, file_id: bytes, version: bytes, block_lengths: list[int]) -> list[tuple[BlockKey, int]]:
         """(key, entry seq) of each block if all are cached and match their sums, else []."""

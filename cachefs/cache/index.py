@@ -83,24 +83,55 @@ class BlockIndex:
                     freed += entry.length
         return freed
 
-    def mark_verified(self, files: list[list[tuple[BlockKey, int]]], boot_id: bytes) -> int:
+    def mark_verified(self, files: list[list[tuple[BlockKey, int]]], boot_id: bytes,
+                      at_s: float) -> list[tuple[bytes, bytes]]:
         """Record, in one transaction, that each file version's blocks (key, entry seq),
-        all of them, were verified during boot `boot_id`; a file whose entries changed
-        since they were read is left out. Returns how many were recorded. Any later
-        change of an entry drops its file's record."""
-        marked = 0
+        all of them, were verified during boot `boot_id` at wall-clock time `at_s`; a file
+        whose entries changed since they were read is left out. Returns the (file id,
+        version) recorded. Any later change of an entry drops its file's record."""
+        marked = []
         with self._db.env.begin(write=True) as txn:
             for checked in files:
                 if all(_has_seq(txn, self._db, key, seq) for key, seq in checked):
                     key = checked[0][0]
-                    txn.put(key.file_id + key.version, boot_id, db=self._db.verified)
-                    marked += 1
+                    txn.put(key.file_id + key.version, _verified_value(boot_id, at_s), db=self._db.verified)
+                    marked.append((key.file_id, key.version))
         return marked
+
+    def reverified(self, file_id: bytes, version: bytes, boot_id: bytes, at_s: float) -> None:
+        """Move a still verified file version's verification time to `at_s` (nothing if its mark is gone)."""
+        with self._db.env.begin(write=True, db=self._db.verified) as txn:
+            value = txn.get(file_id + version)
+            if value is not None and _parse_verified(value)[0] == boot_id:
+                txn.put(file_id + version, _verified_value(boot_id, at_s))
+
+    def verified_during(self, boot_id: bytes) -> list[tuple[bytes, bytes, float]]:
+        """(file id, version, verified at) of the file versions verified during boot `boot_id`."""
+        found = []
+        with self._db.env.begin(db=self._db.verified) as txn:
+            for packed, value in txn.cursor():
+                boot, at_s = _parse_verified(value)
+                if boot == boot_id:
+                    found.append((packed[:8], packed[8:16], at_s))
+        return found
+
+    def version_entries(self, file_id: bytes, version: bytes, first_blockno: int) -> Iterator[tuple[BlockKey, IndexEntry]]:
+        """A file version's entries from block `first_blockno` on, in block order (one
+        read transaction, held while iterating: consume it promptly)."""
+        prefix = file_id + version
+        with self._db.env.begin(db=self._db.blocks) as txn:
+            cursor = txn.cursor()
+            if cursor.set_range(BlockKey(file_id, version, first_blockno).packed()):
+                for packed, value in cursor:
+                    if not packed.startswith(prefix):
+                        return
+                    yield BlockKey.unpack(packed), IndexEntry.unpack(value)
 
     def verified_boot(self, file_id: bytes, version: bytes) -> bytes | None:
         """The boot during which the file version was last verified whole, if it was."""
         with self._db.env.begin(db=self._db.verified) as txn:
-            return txn.get(file_id + version)
+            value = txn.get(file_id + version)
+        return _parse_verified(value)[0] if value is not None else None
 
     def oldest(self, limit: int) -> list[BlockKey]:
         """Up to `limit` keys in insertion order, oldest first."""
@@ -167,6 +198,17 @@ class BlockIndex:
         txn.delete(_SEQ.pack(entry.seq), db=self._db.fifo)  # type: ignore[attr-defined]
         _bump(txn, self._db, _USED, -entry.length)
         _bump(txn, self._db, _COUNT, -1)
+
+
+def _verified_value(boot_id: bytes, at_s: float) -> bytes:
+    """A verified mark: the boot id, then the wall-clock second of the verification."""
+    return boot_id + b" " + str(int(at_s)).encode()
+
+
+def _parse_verified(value: bytes) -> tuple[bytes, float]:
+    """(boot id, verified at) of a mark; a mark without a time (an older cachefs) is due at once."""
+    boot, _space, at_s = value.partition(b" ")
+    return boot, float(at_s) if at_s.isdigit() else 0.0
 
 
 def _has_seq(txn: object, db: IndexDb, key: BlockKey, seq: int) -> bool:

@@ -15,6 +15,11 @@ needs aligned lengths, and padding would change the data file's size, which
 passthrough hands to the kernel. A file system that refuses O_DIRECT
 (ramfs) gets page-cache writes for every block.
 
+A data file verified whole for the kernel's direct reads (passthrough) is
+sealed read-only (mode 0400): the store refuses to write into it, and a
+block is dropped from it only after unsealing it, so no write of the daemon
+changes bytes the kernel serves without a check.
+
 A block is written before its index entry is committed (block_cache.py);
 a block cut short by a crash has no entry, and every read is checked
 against the checksums in its entry, so a torn write is never served.
@@ -38,6 +43,8 @@ from .keys import BlockData, BlockKey
 
 log = logging.getLogger(__name__)
 
+SEALED_MODE = 0o400
+UNSEALED_MODE = 0o600
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -66,6 +73,10 @@ def can_free_space(fd: int) -> bool:
     except OSError as exc:
         return exc.errno != errno.EOPNOTSUPP
     return True
+
+
+class SealedDataFile(OSError):
+    """A write into a data file sealed for the kernel's direct reads (a bug, refused)."""
 
 
 class BlockStore:
@@ -145,6 +156,9 @@ class BlockStore:
         path = self.path(key.file_id, key.version)
         offset = key.blockno * self.block_size
         fd, direct = self._open_for_write(path, self._direct and len(data) % DIRECT_ALIGN == 0)
+        if not os.fstat(fd).st_mode & 0o200:  # root may write any mode: the seal is checked here
+            os.close(fd)
+            raise SealedDataFile(errno.EPERM, f"the data file of {key} is sealed")
         try:
             written = self._write_at(fd, data, offset, direct)
             if written != len(data):
@@ -161,10 +175,12 @@ class BlockStore:
         flags = os.O_WRONLY | os.O_CREAT | (os.O_DIRECT if direct else 0)
         try:
             try:
-                return os.open(path, flags, 0o600), direct
+                return os.open(path, flags, UNSEALED_MODE), direct
             except FileNotFoundError:
                 os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-                return os.open(path, flags, 0o600), direct
+                return os.open(path, flags, UNSEALED_MODE), direct
+            except PermissionError:  # sealed (a daemon that is not root)
+                raise SealedDataFile(errno.EPERM, f"the data file {path} is sealed") from None
         except OSError as exc:
             if not direct or exc.errno != errno.EINVAL:
                 raise
@@ -202,10 +218,24 @@ class BlockStore:
             log.info("the cache's file system refuses O_DIRECT (%s): blocks go through the page cache", exc)
         self._direct = False
 
-    def delete(self, key: BlockKey) -> None:
-        """Drop a block's bytes from disk (a hole in its data file)."""
+    def seal(self, file_id: bytes, version: bytes) -> None:
+        """Make a verified data file read-only: the kernel may now read it without a check."""
         try:
-            fd = os.open(self.path(key.file_id, key.version), os.O_WRONLY)
+            os.chmod(self.path(file_id, version), SEALED_MODE)
+        except OSError as exc:
+            log.warning("cannot seal the data file of file %s: %s", file_id.hex(), exc)
+
+    def unseal(self, file_id: bytes, version: bytes) -> None:
+        """Make a data file writable again: a block of it is being dropped, so it is no longer verified."""
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(self.path(file_id, version), UNSEALED_MODE)
+
+    def delete(self, key: BlockKey) -> None:
+        """Drop a block's bytes from disk (a hole in its data file, which is unsealed first)."""
+        path = self.path(key.file_id, key.version)
+        try:
+            os.chmod(path, UNSEALED_MODE)
+            fd = os.open(path, os.O_WRONLY)
         except FileNotFoundError:
             return
         try:

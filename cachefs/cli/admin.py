@@ -224,6 +224,7 @@ def _stats(args: argparse.Namespace) -> int:
         ("hit ratio", hit_ratio),
         ("passthrough opens", f"{stats['passthrough_opens']} (read by the kernel from the cache; "
                               f"{stats['verified_files']} files verified for it)"),
+        ("re-verified files", f"{stats['reverified_files']} ({stats['reverify_failures']} had changed on disk)"),
         ("fetched from hub", f"{format_size(stats['fetched_bytes'])} in {stats['fetches']} requests"),
         ("read-ahead fetches", str(stats["readahead_fetches"])),
         ("fetch retries", str(stats["fetch_retries"])),

@@ -133,9 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument("--file-mode", metavar="MODE", help="permission bits of every file, e.g. 0640 (default: the hub's)")
     mount.add_argument("--dir-mode", metavar="MODE", help="permission bits of every directory, e.g. 0750 (default: the hub's)")
     mount.add_argument(
-        "--passthrough", action="store_true",
+        "--passthrough", action=argparse.BooleanOptionalAction, default=None,
         help="let the kernel read whole, verified cached files straight from the cache (FUSE passthrough: local disk "
-        "speed, but without a checksum check per read); default: the daemon serves and checks every read",
+        "speed; each file is verified whole first, sealed read-only and re-verified every --reverify-interval). "
+        "Default: on where the kernel and pyfuse3 allow it; off, or where they do not, the daemon serves and "
+        "checks every read",
+    )
+    mount.add_argument(
+        "--reverify-interval", type=float, default=86400.0, metavar="SECONDS",
+        help="re-hash each cached file the kernel reads directly this long after its last verification; one that "
+        "changed on disk goes back to the daemon and its bad blocks are fetched again (default: 86400)",
+    )
+    mount.add_argument(
+        "--reverify-rate", default="64M", metavar="BYTES",
+        help="read at most this many bytes per second when re-verifying, e.g. 64M (default: 64M)",
     )
     mount.add_argument(
         "--nfs-export", action="store_true",
@@ -211,7 +222,7 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
         raise UsageError("--max-connections must be at least 1")
     if args.readahead_blocks < 0 or args.prefetch_siblings < 0:
         raise UsageError("--readahead-blocks and --prefetch-siblings must not be negative")
-    for option in ("fetch_timeout", "refresh_interval", "manifest_wait", "mount_timeout"):
+    for option in ("fetch_timeout", "refresh_interval", "manifest_wait", "mount_timeout", "reverify_interval"):
         _check_seconds(option, getattr(args, option))
     hub_url = parse_hub_url(args.hub_url)
     pool_dir = Path(os.path.abspath(args.cache_dir))
@@ -250,7 +261,10 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
         file_mode=parse_mode(args.file_mode) if args.file_mode is not None else None,
         dir_mode=parse_mode(args.dir_mode) if args.dir_mode is not None else None,
         nfs_export=args.nfs_export,
-        passthrough=args.passthrough,
+        passthrough=args.passthrough is not False,
+        passthrough_requested=args.passthrough is True,
+        reverify_interval_s=args.reverify_interval,
+        reverify_rate_bytes=parse_size(args.reverify_rate),
         foreground=args.foreground,
         debug=args.debug,
     )

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import pyfuse3
 
 from ..config import Ownership
-from ..errors import HubError, OpenInAnotherVersion, RemoteFileChanged
+from ..errors import DataFileChanged, HubError, OpenInAnotherVersion, RemoteFileChanged
 from ..metrics import READ_DURATION, Stats
 from ..namespace.tree import KIND_DIR, KIND_FILE, Inode, Namespace
 from ..read.handles import OpenFiles
@@ -246,6 +246,9 @@ class CachefsOperations(pyfuse3.Operations):
         except OpenInAnotherVersion as exc:
             log.error("cannot open inode %d until its earlier opens close: %s", inode, exc)
             raise pyfuse3.FUSEError(errno.ESTALE) from None
+        except DataFileChanged as exc:
+            log.error("cannot open inode %d until its earlier opens close: %s", inode, exc)
+            raise pyfuse3.FUSEError(errno.EIO) from None
         handle_id = self._handles.add(self._reader.open(entry, ctx.pid, passthrough=bool(backing_id)))
         if backing_id:
             # The kernel reads the cache's data file itself (its own page cache).

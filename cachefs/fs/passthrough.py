@@ -11,8 +11,10 @@ served by the daemon as before.
 Such reads skip the daemon's per-read checksum checks, so a file version is
 handed to the kernel only when its cache holds every block and all were read
 back and verified since the machine booted (BlockCache.verify_files; this
-module verifies files in the background after they are read whole), and
-its blocks are held out of eviction while it is open that way.
+module verifies files in the background after they are read whole), its
+data file is then sealed read-only (store.py), its blocks are held out of
+eviction while it is open that way, and reverify.py re-hashes it on a
+period: one that changed on disk is `revoke`d.
 
 Kernel rules kept here: every open of an inode already open in passthrough
 mode must name the same backing file (one backing id per inode, closed at
@@ -35,7 +37,7 @@ import pyfuse3
 import trio
 
 from ..cache import BlockCache, BlockKey
-from ..errors import OpenInAnotherVersion
+from ..errors import DataFileChanged, OpenInAnotherVersion
 from ..metrics import Stats
 from ..namespace.tree import Inode
 
@@ -83,16 +85,23 @@ class _InodeOpens:
     inode: Inode
     count: int
     backing_id: int  # 0: served by the daemon
+    revoked: bool = False  # its data file failed a re-verification: no new open may share it
 
 
 class Passthrough:
     """Decides per open whether the kernel reads the file directly, and verifies files for it."""
 
-    def __init__(self, cache: BlockCache, plans: PlanActivity, stats: Stats, *, enabled: bool) -> None:
+    def __init__(self, cache: BlockCache, plans: PlanActivity, stats: Stats, *, enabled: bool, requested: bool = False) -> None:
+        """`enabled`: use passthrough where possible; `requested`: the user asked for it
+        (--passthrough), so its being unavailable is a warning rather than a note."""
         self._cache = cache
         self._plans = plans
         self._stats = stats
+        self._requested = requested
         self.enabled = enabled and supported_by_pyfuse3()
+        if enabled and not self.enabled:
+            self._note_unavailable("this pyfuse3 cannot hand files to the kernel; scripts/install_passthrough_fuse.sh "
+                                   "builds one that can")
         self._opens: dict[int, _InodeOpens] = {}
         self._pending: dict[tuple[bytes, bytes], tuple[Inode, float]] = {}  # -> (inode, due), due in order
         self._pending_added = trio.Event()
@@ -123,6 +132,8 @@ class Passthrough:
         if opens is not None:
             if opens.backing_id and opens.inode.version != inode.version:
                 raise OpenInAnotherVersion(f"inode {inode.ino} is open in passthrough mode in an older version")
+            if opens.revoked:
+                raise DataFileChanged(f"inode {inode.ino} is open in passthrough mode on a data file that changed on disk")
             opens.count += 1
         else:
             opens = self._opens[inode.ino] = _InodeOpens(inode, 1, self._backing_id(inode))
@@ -145,6 +156,17 @@ class Passthrough:
             self._cache.unhold(inode.file_id, inode.version)
         elif self.enabled and inode.size > 0:
             self._queue_verification(inode)
+
+    def revoke(self, file_id: bytes, version: bytes) -> None:
+        """A file version's data file changed on disk after its verification (reverify.py):
+        its verified mark is gone, so later opens are served by the daemon; opens of it in
+        passthrough mode now keep their backing file (the kernel cannot switch an open file)
+        and no new open may join them until they close."""
+        for opens in self._opens.values():
+            if opens.backing_id and opens.inode.file_id == file_id and opens.inode.version == version:
+                opens.revoked = True
+                log.error("inode %d is open in passthrough mode on a data file that changed on disk: new opens fail "
+                          "until its %d open handles close", opens.inode.ino, opens.count)
 
     def _backing_id(self, inode: Inode) -> int:
         """Register the inode's data file with the kernel if it may be read directly; else 0."""
@@ -189,8 +211,12 @@ class Passthrough:
         """The kernel refused a backing file: no passthrough for this mount."""
         self.enabled = False
         self._pending.clear()
-        reason = "not root" if exc.errno == errno.EPERM else exc.strerror
-        log.info("FUSE passthrough is not available (%s); the daemon serves every read", reason)
+        self._note_unavailable("not root" if exc.errno == errno.EPERM else str(exc.strerror))
+
+    def _note_unavailable(self, reason: str) -> None:
+        """One line: a warning if --passthrough was asked for, else a note (the default falls back quietly)."""
+        log.log(logging.WARNING if self._requested else logging.INFO,
+                "FUSE passthrough is not available (%s); the daemon serves and checks every read", reason)
 
     def _close_backing(self, backing_id: int) -> None:
         try:
