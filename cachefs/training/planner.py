@@ -394,6 +394,10 @@ class Planner:
             plan.advance_tail()
             log.info("plan %d (epoch %d): %d reads of %d files, %d block uses",
                      plan.id, plan.epoch, plan.reads, len(plan.files), plan.store.length)
+            advised = plan.advised_block_size()
+            if advised is not None:
+                log.info("plan %d reads %d of every 100 bytes of the blocks it needs: --block-size %dK would fit it",
+                         plan.id, 100 * plan.read_bytes // max(1, plan.use_bytes), advised >> 10)
             await progress({"state": "active", **plan.summary()})
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(cancel_when_closed, lines, nursery.cancel_scope)
