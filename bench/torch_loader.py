@@ -10,7 +10,9 @@ epoch of `torch.utils.data.DataLoader` (worker processes, persistent,
 `RandomSampler` with the same seed in every run) whose samples are
 `sample_bytes` windows of the shards, read with os.pread after
 POSIX_FADV_RANDOM; the training loop sleeps `compute_s` per batch (the
-accelerator). Before each run the page cache is dropped and cachefs is
+accelerator). The spoke's block size is the one a PlanSampler advises for
+the samples (256 KiB for 256 KiB samples; `--block-kib 1024`, the spoke's
+default, shows what blocks 4x the samples cost). Before each run the page cache is dropped and cachefs is
 mounted afresh: `cold` with an empty cache, `warm` on the cache the cold
 PlanSampler run filled.
 
@@ -19,7 +21,9 @@ first-batch latency (from creating the loader's iterator, workers starting
 included), the plan's hand-over time (until the daemon accepted all of
 it), the stall time after the first batch, WAN bytes, and the CPU seconds
 of the daemon, the hub, the emulator and the loader (training process and
-its workers) read from /proc/PID/stat, beside the machine's idle time.
+its workers) read from /proc/PID/stat, beside the machine's idle time. Beside
+the runs, bounds computed from the epoch's order: the best cold epoch over
+this link with a plan (fetched in blocks, or in samples) and without one.
 """
 
 from __future__ import annotations
@@ -64,13 +68,21 @@ class BenchConfig:
     rtt_ms: float = 60.0
     rate_mbit: float | None = 1000.0
     cache_bytes: int = 4096 * MiB
-    block_bytes: int = 1 * MiB  # the spoke's default
+    # The spoke's block size; None: the one a PlanSampler advises for the samples
+    # (the largest power of two no larger than a sample, at most the spoke's 1 MiB default).
+    block_bytes: int | None = None
     spoke_args: tuple[str, ...] = ()
     seed: int = 0
 
     @property
     def demand_bytes_per_s(self) -> float:
         return self.batch_size * self.sample_bytes / self.compute_s
+
+    @property
+    def block_size(self) -> int:
+        if self.block_bytes is not None:
+            return self.block_bytes
+        return max(64 * KiB, min(MiB, 1 << (self.sample_bytes.bit_length() - 1)))
 
 
 # -- processes and the machine ----------------------------------------------------------------
@@ -250,6 +262,56 @@ def link_bound_s(order: list[int], config: BenchConfig, fetch_bytes: int) -> flo
     return finished
 
 
+PREFETCH_FACTOR = 2  # torch's default: batches handed to each worker ahead of the training loop
+
+
+def no_plan_bound_s(order: list[int], config: BenchConfig, fetch_bytes: int) -> float:
+    """The shortest cold epoch a loader without a plan could reach over this link.
+
+    Not knowing the order, the best a prefetcher can do is to fetch the
+    whole dataset (it fits the cache) in an order of its own, `fetch_bytes`
+    units back to back at the link's rate from the start; a sample whose
+    units have not arrived is a demand miss, which its worker waits for (one
+    RTT plus the unit's transfer, or until the unit arrives if sooner; its
+    bytes left out of the link's budget). Each worker reads the samples of
+    its batches one after another, batch b in worker b mod `workers`, handed
+    to it when batch b - workers x PREFETCH_FACTOR reached the training
+    loop; the accelerator spends `compute_s` on each batch in turn.
+    """
+    rate = (config.rate_mbit or math.inf) * 1e6 / 8
+    rtt_s = config.rtt_ms / 1000
+    samples_per_shard = config.shard_bytes // config.sample_bytes
+    units_per_shard = -(-config.shard_bytes // fetch_bytes)
+    arrival: dict[tuple[int, int], float] = {}  # units fetched on demand
+
+    def filled(shard: int, unit: int) -> float:
+        return rtt_s + (shard * units_per_shard + unit + 1) * fetch_bytes / rate
+
+    batches = [order[start:start + config.batch_size] for start in range(0, len(order), config.batch_size)]
+    worker_free = [0.0] * config.workers
+    taken: list[float] = []  # when the training loop got each batch
+    finished = 0.0
+    for number, batch in enumerate(batches):
+        worker = number % config.workers
+        ahead = number - config.workers * PREFETCH_FACTOR
+        clock = max(worker_free[worker], taken[ahead] if ahead >= 0 else 0.0)
+        for index in batch:
+            shard, offset = divmod(index, samples_per_shard)
+            first = offset * config.sample_bytes // fetch_bytes
+            last = ((offset + 1) * config.sample_bytes - 1) // fetch_bytes
+            ready = clock
+            for unit in range(first, last + 1):
+                at = arrival.get((shard, unit), filled(shard, unit))
+                if at > clock:
+                    at = arrival[shard, unit] = min(at, clock + rtt_s + fetch_bytes / rate)
+                ready = max(ready, at)
+            clock = ready
+        worker_free[worker] = clock
+        taken.append(max(clock, finished))
+        finished = taken[-1] + config.compute_s
+    return finished
+
+
 # -- the runs ---------------------------------------------------------------------------------------
 
 
@@ -258,7 +320,7 @@ def run(config: BenchConfig, work: Path, out: Path | None) -> dict[str, Any]:
     data_root = work / "data"
     datasets = {count: build_dataset(data_root, count, config.shard_bytes) for count in config.shard_counts}
     results: dict[str, Any] = {"config": dataclasses.asdict(config), "datasets": []}
-    options = ["--cache-size", str(config.cache_bytes), "--block-size", str(config.block_bytes), "--fetch-timeout", "60",
+    options = ["--cache-size", str(config.cache_bytes), "--block-size", str(config.block_size), "--fetch-timeout", "60",
                *config.spoke_args]
     with contextlib.ExitStack() as stack:
         hub, wan = start_hub_behind_wan(stack, data_root, work, config.rtt_ms, config.rate_mbit)
@@ -266,8 +328,9 @@ def run(config: BenchConfig, work: Path, out: Path | None) -> dict[str, Any]:
         for count, directory in datasets.items():
             order = epoch_order(count * (config.shard_bytes // config.sample_bytes), config.seed)
             entry: dict[str, Any] = {"shards": count, "dataset_bytes": count * config.shard_bytes, "runs": {},
-                                     "bound_block_s": link_bound_s(order, config, config.block_bytes),
-                                     "bound_sample_s": link_bound_s(order, config, config.sample_bytes)}
+                                     "bound_block_s": link_bound_s(order, config, config.block_size),
+                                     "bound_sample_s": link_bound_s(order, config, config.sample_bytes),
+                                     "bound_no_plan_s": no_plan_bound_s(order, config, config.block_size)}
             names = sorted(path.name for path in directory.glob("shard-*.bin"))
             cache_dir = work / f"cache-{count}"
             for mode in MODES:
@@ -312,13 +375,15 @@ def report(results: dict[str, Any]) -> str:
         f"compute per batch: demand {config.demand_bytes_per_s / MiB:.0f} MiB/s; link {config.rtt_ms:g} ms RTT, {rate}",
         "",
         "| dataset | local disk | cachefs cold, no plan | cachefs cold, PlanSampler | cachefs warm "
-        f"| link bound, {config.block_bytes / KiB:g} KiB blocks | link bound, sample-sized fetches |",
-        "|---|---|---|---|---|---|---|",
+        f"| link bound, {config.block_size / KiB:g} KiB blocks | link bound, sample-sized fetches "
+        "| bound without a plan |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for entry in results["datasets"]:
         compute_s = len(entry["runs"]["local"]["batch_waits_s"]) * config.compute_s
         cells = [f"{entry['runs'][mode]['wall_s']:.1f} s, {entry['runs'][mode]['busy_pct']:.0f} %" for mode in MODES]
-        cells += [f"{entry[key]:.1f} s, {100 * compute_s / entry[key]:.0f} %" for key in ("bound_block_s", "bound_sample_s")]
+        cells += [f"{entry[key]:.1f} s, {100 * compute_s / entry[key]:.0f} %"
+                  for key in ("bound_block_s", "bound_sample_s", "bound_no_plan_s")]
         lines.append(f"| {entry['shards']} x {config.shard_bytes / MiB:g} MiB | " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -344,7 +409,9 @@ def report(results: dict[str, Any]) -> str:
         "link bound: the shortest cold epoch a prefetcher following the plan perfectly could reach, the link "
         "carrying each fetch unit once, back to back, in the order the epoch first needs it (worker start-up and "
         "per-read costs left out): random samples smaller than a block make the epoch's first batches need most "
-        "blocks at once.",
+        "blocks at once. bound without a plan: the same link fetching the whole dataset in blocks in an order of "
+        "its own (the epoch's is unknown), each worker waiting one RTT for every sample not yet there "
+        "(torch's 2 batches ahead per worker).",
         "busy % = compute / wall; 1st batch s: from creating the loader's iterator (workers starting) to the first "
         "batch; stall after s: waiting for batches after the first (of it in the epoch's first quarter of "
         "batches); plan s: until the daemon accepted the whole plan; CPU s: user + system seconds per run "
@@ -361,7 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write torch_loader.json here")
     parser.add_argument("--shards", help="comma-separated shard counts, one dataset each (default: 4,12)")
     parser.add_argument("--sample-kib", type=int, help="sample size in KiB (default: 256)")
-    parser.add_argument("--block-kib", type=int, help="the spoke's block size in KiB (default: 1024)")
+    parser.add_argument("--block-kib", type=int,
+                        help="the spoke's block size in KiB (default: the one a PlanSampler advises for the samples, "
+                        "256 for 256 KiB samples; 1024, the spoke's default, gives the table of blocks 4x the samples)")
     parser.add_argument("--workers", type=int, help="DataLoader worker processes (default: 4)")
     parser.add_argument("--compute-ms", type=float, help="emulated accelerator time per batch (default: 50)")
     parser.add_argument("--rtt-ms", type=float, help="round trip time of the emulated WAN (default: 60)")

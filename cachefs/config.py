@@ -298,6 +298,12 @@ class MountConfig:
 # Blocks per prefetch request (read-ahead, plans, warm-ups): 4 x 1 MiB keeps
 # 64 MiB in flight on 16 connections.
 COALESCE_BLOCKS = 4
+# Plan prefetch and background fills fetch runs of up to this many bytes, and
+# keep about PREFETCH_INFLIGHT_BYTES in flight, whatever the block size: a
+# smaller block (sized to the samples) must not lower what the link carries.
+# 12 MiB is 1.6x the bandwidth-delay product of 1 Gbit/s at 60 ms.
+RUN_BYTES = 4 * MiB
+PREFETCH_INFLIGHT_BYTES = 12 * MiB
 # Read-ahead requests in flight at once (streams, fills and sibling batches
 # together): the runs share the link and end at about the same time, so a
 # stream moves about W / (RTT + W / link rate) with W of them in flight
@@ -333,7 +339,7 @@ class MemoryBudget:
     # Fetched blocks waiting for the cache writer or being written: they bound
     # what a slow disk can make the daemon hold; fetchers then wait, never drop.
     write_queue_bytes: int
-    # Read-ahead's requests in flight: READAHEAD_RUNS_IN_FLIGHT runs of COALESCE_BLOCKS.
+    # Read-ahead's requests in flight: READAHEAD_RUNS_IN_FLIGHT runs of up to run_blocks (fills).
     read_ahead_runs_bytes: int
     # Blocks read ahead kept after their write until their first read (not in
     # the page cache: written with O_DIRECT), for this long at most; those held
@@ -372,6 +378,19 @@ class MemoryBudget:
                 "a smaller --block-size lowers them")
 
 
+def run_blocks(block_size_bytes: int) -> int:
+    """Blocks per plan prefetch or fill request: RUN_BYTES of them, at least COALESCE_BLOCKS."""
+    return max(COALESCE_BLOCKS, RUN_BYTES // block_size_bytes)
+
+
+def prefetch_connections(config: MountConfig) -> int:
+    """Connections prefetch may hold: the configured number, more when blocks are so small that one
+    block per request would keep less than PREFETCH_INFLIGHT_BYTES in flight (random samples are rarely
+    adjacent); always 4 left for demand misses."""
+    wanted = max(config.prefetch_connections, -(-PREFETCH_INFLIGHT_BYTES // config.block_size_bytes))
+    return min(wanted, max(1, config.max_connections - 4))
+
+
 def memory_budget(config: MountConfig) -> MemoryBudget:
     """The memory bounds of a mount with these options."""
     block = config.block_size_bytes
@@ -381,7 +400,7 @@ def memory_budget(config: MountConfig) -> MemoryBudget:
         demand_bytes=config.memory_blocks * block,
         demand_fetch_bytes=config.fuse_max_background * block,
         write_queue_bytes=16 * MiB,
-        read_ahead_runs_bytes=READAHEAD_RUNS_IN_FLIGHT * COALESCE_BLOCKS * block,
+        read_ahead_runs_bytes=READAHEAD_RUNS_IN_FLIGHT * run_blocks(block) * block,
         read_ahead_held_bytes=16 * MiB,
         read_ahead_max_age_s=30.0,
         read_ahead_stale_s=5.0,

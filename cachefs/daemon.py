@@ -27,7 +27,7 @@ from . import __version__
 from .cache import BlockCache
 from .cache.share import REFRESH_INTERVAL_S, TenantShare
 from .cache.tenants import DEFAULT_TENANT, Ledger
-from .config import MountConfig, Ownership, memory_budget
+from .config import MountConfig, Ownership, memory_budget, prefetch_connections
 from .control.admin import Admin
 from .control.server import SOCKET_NAME, ControlServer
 from .db import IndexDb, NamespaceDb, get_meta, open_cache_databases, put_meta
@@ -193,7 +193,7 @@ async def _serve(
         stats,
         budget=budget,
         fetch_timeout_s=config.fetch_timeout_s,
-        prefetch_connections=min(config.prefetch_connections, max(1, config.max_connections - 4)),
+        prefetch_connections=prefetch_connections(config),
     )
     mounted = False
     try:

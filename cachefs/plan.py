@@ -111,6 +111,22 @@ class Plan:
         self.blocks: int = accepted.get("blocks", 0)
 
     @property
+    def advice(self) -> str | None:
+        """One line of advice on the mount's block size for this plan's reads, or None if it fits them.
+
+        A cold epoch fetches a whole block for each sample it reads first;
+        with blocks much larger than the samples, the first batches need most
+        blocks at once and the link carries bytes not read until much later.
+        """
+        advised = self.info.get("advised_block_size")
+        read_bytes, use_bytes = self.info.get("read_bytes", 0), self.info.get("block_use_bytes", 0)
+        if not advised or not use_bytes or not self.reads:
+            return None
+        return (f"cachefs: this plan's reads ({read_bytes / self.reads / 1024:.0f} KiB on average) use "
+                f"{100 * read_bytes / use_bytes:.0f} % of the {_size(self.info.get('block_size', 0))} blocks they "
+                f"need; a cold epoch fetches whole blocks: mount with --block-size {_size(advised)}")
+
+    @property
     def closed(self) -> bool:
         return self._sock is None
 
@@ -136,6 +152,14 @@ class Plan:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"<cachefs Plan {self.id} epoch {self.epoch}: {self.reads} reads, {self.blocks} blocks, {state}>"
+
+
+def _size(size_bytes: int) -> str:
+    """A size as `cachefs mount --block-size` takes it: 256K, 1M."""
+    for unit, suffix in ((1 << 30, "G"), (1 << 20, "M"), (1 << 10, "K")):
+        if size_bytes >= unit and size_bytes % unit == 0:
+            return f"{size_bytes // unit}{suffix}"
+    return f"{size_bytes} bytes"
 
 
 def submit(reads: Iterable[Read], *, epoch: int | None = None, timeout_s: float = ACCEPT_TIMEOUT_S) -> Plan:
@@ -289,7 +313,8 @@ class PlanSampler(_SamplerBase):
     already runs (the daemon follows it from its first lines), and a
     failure to hand it over is logged once; training goes on unplanned.
     With `strict`, the first index is yielded only once the daemon has the
-    whole plan, and failures raise PlanError.
+    whole plan, and failures raise PlanError. When the mount's block size is
+    much larger than the samples (`Plan.advice`), it logs that advice once.
     """
 
     def __init__(
@@ -307,6 +332,7 @@ class PlanSampler(_SamplerBase):
         self._epoch = first_epoch
         self._epoch_set = False
         self._warned = False
+        self._advised = False
         self._lock = threading.Lock()
         self._generation = 0
         self._spool: _Spool | None = None
@@ -362,7 +388,7 @@ class PlanSampler(_SamplerBase):
     def _hand_over(self, spool: _Spool, epoch: int, generation: int) -> None:
         """Stream the epoch's reads to the daemon; keep the plan open unless a newer epoch began meanwhile."""
         try:
-            plan: Plan | None = submit((read for index in spool.replay() for read in self.reads_of(index)), epoch=epoch)
+            submitted = submit((read for index in spool.replay() for read in self.reads_of(index)), epoch=epoch)
         except (PlanError, OSError, ValueError) as exc:
             with self._lock:
                 current = generation == self._generation
@@ -372,6 +398,11 @@ class PlanSampler(_SamplerBase):
                 log.warning("cachefs: training without a plan: %s", exc)
                 self._warned = True
             return
+        advice = submitted.advice
+        if advice is not None and not self._advised:
+            log.warning("%s", advice)
+            self._advised = True
+        plan: Plan | None = submitted
         with self._lock:
             if generation == self._generation:
                 self.plan, plan = plan, None

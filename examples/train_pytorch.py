@@ -8,6 +8,13 @@ sampler a `cachefs.plan.PlanSampler`. The script mounts nothing: point
 `--data` at a directory of shard files in a cachefs mount (`cachefs mount
 ...`). Anywhere else it trains too, without a plan (PlanSampler warns once).
 
+Mount with a block size near the sample size: for the default 256 KiB
+samples, `cachefs mount --block-size 256K ...`: a cold epoch fetches whole
+blocks, and with 1 MiB blocks its first batches need most of the dataset's
+blocks at once (docs/training.md, "Block size against sample size").
+PlanSampler logs the block size to use, once, when the mount's blocks are
+much larger than the samples.
+
 Per epoch it prints samples/s and busy % (the share of the wall time the
 model spent computing rather than waiting for data). The model is tiny, so
 on its own it waits most of the time; `--compute-ms` adds time per batch to
@@ -82,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", type=Path, required=True, help="a directory of shard files, e.g. /mnt/cachefs/shards")
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--sample-size", default="256K", help="bytes per sample, a multiple of 64 (default: %(default)s)")
+    parser.add_argument("--sample-size", default="256K",
+                        help="bytes per sample, a multiple of 64 (default: %(default)s; mount with --block-size 256K for it)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--workers", type=int, default=4, help="DataLoader worker processes (default: %(default)s)")
     parser.add_argument("--compute-ms", type=float, default=0.0, help="extra time per batch, as a bigger model would take")

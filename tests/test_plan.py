@@ -265,6 +265,44 @@ def test_plan_sampler_outside_a_mount_samples_unplanned(tmp_path: Path, caplog: 
         list(cachefs_plan.PlanSampler([0], lambda index: [(tmp_path / "data.bin", 0, 10)], strict=True))
 
 
+def windows(dataset: Path, size: int) -> list[Read]:
+    """Every `size`-byte window of the two large shards (the last one of each shorter)."""
+    reads: list[Read] = []
+    for name in ("shard-000.bin", "shard-001.bin"):
+        length = (dataset / "shards" / name).stat().st_size
+        reads.extend((f"shards/{name}", offset, min(size, length - offset)) for offset in range(0, length, size))
+    return reads
+
+
+def test_a_plan_of_samples_much_smaller_than_the_blocks_is_advised_a_block_size_once(
+        hub, dataset: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """256 KiB blocks, 64 KiB samples read at random: each use reads a quarter of its block, and the
+    plan advises --block-size 64K (a PlanSampler says so once, however many epochs); block-sized
+    reads get no advice. The samples read through the mount are the source's bytes."""
+    samples = windows(dataset, 64 * 1024)
+    args = ("--block-size", "256K", "--fetch-timeout", "5", "--readahead-blocks", "0", "--prefetch-siblings", "0")
+    with mounted_spoke(hub.url, tmp_path, args) as spoke:
+        mounted = in_mount(spoke, samples)
+        sampler = cachefs_plan.PlanSampler(ShuffledBlocks(len(samples)), lambda index: [mounted[index]])
+        with caplog.at_level(logging.WARNING, logger="cachefs.plan"):
+            for epoch in (1, 2):
+                sampler.set_epoch(epoch)
+                order = list(sampler)
+                plan = sampler.wait(WAIT_S)
+                assert plan is not None and plan.epoch == epoch
+                assert plan.info["read_bytes"] == sum(length for _path, _offset, length in samples if length)
+                assert plan.info["block_size"] == 256 * 1024
+                assert plan.info["advised_block_size"] == 64 * 1024
+                assert plan.advice is not None and plan.advice.endswith("mount with --block-size 64K")
+                assert "(63 KiB on average) use 26 % of the 256K blocks" in plan.advice  # shorter last windows
+                read_through(spoke, dataset, [samples[index] for index in order])
+        sampler.close()
+        advice = [record.getMessage() for record in caplog.records if "--block-size" in record.getMessage()]
+        assert advice == [plan.advice]
+        with cachefs_plan.submit(in_mount(spoke, windows(dataset, 256 * 1024))) as fitting:
+            assert fitting.info["advised_block_size"] is None and fitting.advice is None
+
+
 def test_entry_store_spills_beyond_memory_and_reads_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(entries, "CHUNK_ENTRIES", 4)
     monkeypatch.setattr(entries, "MEMORY_CHUNKS", 2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import random
@@ -208,7 +209,7 @@ def test_the_pytorch_example_trains_an_epoch_through_a_mount_with_a_plan(mount: 
 
 
 def test_link_bound_of_random_samples_smaller_than_a_block_is_far_above_the_compute_time() -> None:
-    config = torch_bench.BenchConfig(shard_counts=(4,))
+    config = torch_bench.BenchConfig(shard_counts=(4,), block_bytes=1024 * KiB)
     samples = 4 * config.shard_bytes // config.sample_bytes
     compute_s = samples // config.batch_size * config.compute_s
     in_order, shuffled = list(range(samples)), torch_bench.epoch_order(samples, config.seed)
@@ -217,3 +218,16 @@ def test_link_bound_of_random_samples_smaller_than_a_block_is_far_above_the_comp
     assert torch_bench.link_bound_s(in_order, config, config.block_bytes) == pytest.approx(compute_s, rel=0.05)
     # In 1 MiB blocks, a random order needs most blocks in the epoch's first batches.
     assert torch_bench.link_bound_s(shuffled, config, config.block_bytes) > 1.2 * compute_s
+
+
+def test_bound_without_a_plan_lies_between_the_bound_with_one_and_a_round_trip_per_sample() -> None:
+    config = torch_bench.BenchConfig(shard_counts=(4,))
+    samples = 4 * config.shard_bytes // config.sample_bytes
+    compute_s = samples // config.batch_size * config.compute_s
+    shuffled = torch_bench.epoch_order(samples, config.seed)
+    without = torch_bench.no_plan_bound_s(shuffled, config, config.block_size)
+    # Workers waiting a round trip for every sample, none filled in time: the loader's slowest.
+    one_by_one_s = samples * config.rtt_ms / 1000 / config.workers
+    assert torch_bench.link_bound_s(shuffled, config, config.block_size) < without < one_by_one_s
+    instant = dataclasses.replace(config, rtt_ms=0.0, rate_mbit=None)
+    assert torch_bench.no_plan_bound_s(shuffled, instant, instant.block_size) == pytest.approx(compute_s)

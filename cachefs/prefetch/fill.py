@@ -8,7 +8,7 @@ import logging
 import trio
 
 from ..cache import BlockCache
-from ..config import COALESCE_BLOCKS
+from ..config import COALESCE_BLOCKS, run_blocks
 from ..namespace.tree import Inode
 from ..read.handles import OpenFile
 from .bounded import remember
@@ -17,8 +17,9 @@ from .queue import PrefetchQueue
 log = logging.getLogger(__name__)
 
 # Random reads of a large file before it is filled in the background, and
-# the read-ahead runs all fills together keep in flight (8 x 4 MiB: ~500 MB/s
-# at 60 ms; read-ahead's limit on connections applies too).
+# the read-ahead runs all fills together keep in flight (8 runs of
+# config.RUN_BYTES, whatever the block size: ~500 MB/s at 60 ms; read-ahead's
+# limit on connections applies too).
 FILL_AFTER_RANDOM_READS = 4
 FILL_RUNS_IN_FLIGHT = 8
 RANDOM_READS_REMEMBERED = 4096
@@ -38,6 +39,7 @@ class RandomFills:
         self._fill_reserved = 0  # bytes of the files being filled: each fill must fit beside the others
         self._filled: collections.OrderedDict[int, None] = collections.OrderedDict()  # fills that completed
         self._fill_slots = trio.Semaphore(FILL_RUNS_IN_FLIGHT)
+        self._run_blocks = run_blocks(block_size)
 
     def note_random_read(self, inode: Inode) -> None:
         """Count a random read of a large file; start filling it after enough of them."""
@@ -61,8 +63,8 @@ class RandomFills:
         log.debug("filling %s (%d bytes) in the background: it is read at random", inode.ino, inode.size)
         try:
             async with trio.open_nursery() as runs:
-                for run_start in range(0, inode.block_count(self._block_size), COALESCE_BLOCKS):
-                    if self._cache.free_bytes() < COALESCE_BLOCKS * self._block_size:
+                for run_start in range(0, inode.block_count(self._block_size), self._run_blocks):
+                    if self._cache.free_bytes() < self._run_blocks * self._block_size:
                         log.debug("stopped filling %s: the cache is full", inode.ino)
                         return
                     await self._fill_slots.acquire()
@@ -74,7 +76,7 @@ class RandomFills:
 
     async def _fill_run(self, handle: OpenFile, first: int) -> None:
         try:
-            stop = min(first + COALESCE_BLOCKS, handle.inode.block_count(self._block_size))
+            stop = min(first + self._run_blocks, handle.inode.block_count(self._block_size))
             await self._queue.fetch_run(handle, first, stop)
         finally:
             self._fill_slots.release()

@@ -5,12 +5,15 @@ from __future__ import annotations
 import collections
 import math
 
+from ..config import PREFETCH_INFLIGHT_BYTES
+
 INITIAL_LATENCY_S = 0.1
 RATE_SMOOTHING = 0.3  # weight of the newest sample in the averages
-# Bytes in flight before the link is measured: about the bandwidth-delay
-# product of 1 Gbit/s at 60 ms. More would share the link among more blocks
-# and delay the first batch, which a cold epoch waits for.
-INITIAL_INFLIGHT_BYTES = 8 << 20
+# Bytes in flight before the link is measured (config.PREFETCH_INFLIGHT_BYTES,
+# whatever the block size): 1.6x the bandwidth-delay product of 1 Gbit/s at
+# 60 ms. More would share the link among more blocks and delay the first
+# batch, which a cold epoch waits for.
+INITIAL_INFLIGHT_BYTES = PREFETCH_INFLIGHT_BYTES
 MIN_CONCURRENCY_BLOCKS = 2
 LINK_WINDOW_S = 10.0
 
@@ -18,7 +21,8 @@ LINK_WINDOW_S = 10.0
 class LinkEstimate:
     """Fetch latency (smoothed), RTT (the shortest one-block fetch) and delivery rate (the highest)
     over the last LINK_WINDOW_S, and the blocks in flight that keep the link busy: twice the
-    bandwidth-delay product, at most `slots`."""
+    bandwidth-delay product in bytes, as blocks of `block_size`, at most `slots` (the fetcher
+    has more slots for smaller blocks: config.prefetch_connections)."""
 
     def __init__(self, block_size: int, slots: int) -> None:
         self._block_size = block_size

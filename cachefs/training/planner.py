@@ -24,7 +24,7 @@ memory costs disk, not RAM).
   lookahead window of wasted prefetch, also counted.
 - **Prefetch.** Blocks of the next `lookahead_blocks` uses after the head
   that are neither cached nor in flight are fetched in runs of contiguous
-  blocks, holding the fetcher's `prefetch_slots` like read-ahead, so demand
+  blocks (up to config.RUN_BYTES), holding the fetcher's `prefetch_slots` like read-ahead, so demand
   misses always find a connection. Of those slots, only as many are used
   as keep the link busy: twice the bandwidth-delay
   product, from the shortest one-block fetch (the RTT) and the highest
@@ -65,7 +65,7 @@ from typing import Any
 import trio
 
 from ..cache import BlockCache, BlockKey
-from ..config import COALESCE_BLOCKS, MemoryBudget
+from ..config import MemoryBudget, run_blocks
 from ..control.server import Lines, Progress
 from ..errors import CachefsError
 from ..fetch.fetcher import Fetcher
@@ -130,6 +130,7 @@ class Planner:
         self._held = held
         self._stats = stats
         block_size = self._block_size = budget.block_size_bytes
+        self._run_blocks = run_blocks(block_size)
         self._plans_dir = cache_dir / PLANS_DIR
         shutil.rmtree(self._plans_dir, ignore_errors=True)  # left over by a crash
         self._plans = active.plans  # this adds and ends them; ActivePlans answers the cache
@@ -295,7 +296,7 @@ class Planner:
             if not plan.is_consumed(position) and entry not in asked:
                 key = plan.block_key(entry)
                 if key not in self._scheduled and not self._at_hand(key):
-                    if run and (entry != run[-1][0] + 1 or len(run) >= COALESCE_BLOCKS):
+                    if run and (entry != run[-1][0] + 1 or len(run) >= self._run_blocks):
                         self._start_run(plan, run)
                         run = []
                     run.append((entry, position))
@@ -393,6 +394,10 @@ class Planner:
             plan.advance_tail()
             log.info("plan %d (epoch %d): %d reads of %d files, %d block uses",
                      plan.id, plan.epoch, plan.reads, len(plan.files), plan.store.length)
+            advised = plan.advised_block_size()
+            if advised is not None:
+                log.info("plan %d reads %d of every 100 bytes of the blocks it needs: --block-size %dK would fit it",
+                         plan.id, 100 * plan.read_bytes // max(1, plan.use_bytes), advised >> 10)
             await progress({"state": "active", **plan.summary()})
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(cancel_when_closed, lines, nursery.cancel_scope)

@@ -30,6 +30,11 @@ PASSED_MEMORY_ENTRIES = 4096
 # batches), and the plan moves to them.
 RESYNC_READS = 8
 RECENT_BLOCKS = 16  # one sample's read split into several FUSE reads is one use
+# A plan whose uses read less than this share of the blocks they need is advised
+# a smaller block size: a cold epoch fetches whole blocks for each use, and its
+# first batches need most blocks at once.
+ADVISE_BELOW_READ_SHARE = 0.5
+MIN_BLOCK_SIZE = 64 << 10  # the smallest --block-size a mount takes
 _BLOCK_BITS = 32
 
 
@@ -50,6 +55,8 @@ class Plan:
         self.created_s = self.progress_s = time.monotonic()  # progress: the last use matched
         self.files = PlanFiles()
         self.reads = 0
+        self.read_bytes = 0  # the planned reads' bytes
+        self.use_bytes = 0  # the bytes of the blocks their uses need (consecutive repeats once)
         self.complete = False  # the client sent all of it (mark_complete)
         self.cancelled = False
         self.finished = trio.Event()
@@ -90,12 +97,26 @@ class Plan:
     def add_read(self, file_index: int, offset: int, length: int) -> None:
         """One planned read (already validated): an entry per block, consecutive repeats merged."""
         self.reads += 1
+        self.read_bytes += length
         first, last = offset // self.block_size, (offset + length - 1) // self.block_size
         for blockno in range(first, last + 1):
             key = file_index << _BLOCK_BITS | blockno
             if key != self._last_appended:
                 self.store.append(key)
                 self._last_appended = key
+                self.use_bytes += block_length(self.files.sizes[file_index], blockno, self.block_size)
+
+    def advised_block_size(self) -> int | None:
+        """A block size for this plan's reads, if the mount's is much larger than they are (None: it fits).
+
+        The largest power of two no larger than the mean read, when the reads use less than
+        ADVISE_BELOW_READ_SHARE of the blocks they need.
+        """
+        if not self.reads or self.read_bytes >= ADVISE_BELOW_READ_SHARE * self.use_bytes:
+            return None
+        mean_read = self.read_bytes // self.reads
+        advised = max(MIN_BLOCK_SIZE, 1 << (mean_read.bit_length() - 1)) if mean_read else MIN_BLOCK_SIZE
+        return advised if advised < self.block_size else None
 
     # -- keys -----------------------------------------------------------------------
 
@@ -276,6 +297,10 @@ class Plan:
             "files": len(self.files),
             "reads": self.reads,
             "blocks": self.store.length,
+            "read_bytes": self.read_bytes,
+            "block_use_bytes": self.use_bytes,
+            "block_size": self.block_size,
+            "advised_block_size": self.advised_block_size(),
             "complete": self.complete,
             "position": self.tail,
             "head": self.head,

@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from spoke_parts import BLOCK, Spoke, budget_of, running_spoke
+from spoke_parts import BLOCK, KiB, Spoke, budget_of, running_spoke
 
+from cachefs.config import PREFETCH_INFLIGHT_BYTES, MountConfig, parse_hub_url, prefetch_connections
 from cachefs.control.server import Lines
+from cachefs.training.link import LinkEstimate
 
 PATH = "data/a.bin"
 PLAN_BLOCKS = 8  # the plan's share of the memory budget, in blocks
@@ -125,3 +127,17 @@ async def test_blocks_written_after_their_plan_ended_are_counted_wasted(
         await spoke.written()
         await trio.sleep(1)
         assert spoke.stats.plan_prefetch_wasted_blocks == PLAN_BLOCKS
+
+
+@pytest.mark.parametrize("block_size", [256 * KiB, 1024 * KiB])
+def test_plan_prefetch_keeps_the_same_bytes_in_flight_whatever_the_block_size(block_size: int) -> None:
+    """Random samples are rarely adjacent (a request per block): a mount with blocks 4x smaller
+    has 4x the prefetch slots, so the link carries as many bytes for the plan, before and after
+    it is measured (1 Gbit/s at 60 ms)."""
+    config = MountConfig(hub_url=parse_hub_url("http://127.0.0.1:8470"), mountpoint=Path("/mnt/c"),
+                         cache_dir=Path("/var/cache/c"), block_size_bytes=block_size)
+    link = LinkEstimate(block_size, prefetch_connections(config))
+    assert link.concurrency_blocks * block_size == PREFETCH_INFLIGHT_BYTES
+    link.fetched(1.0, 0.06, 1)
+    link.delivered(1.0, 125e6)
+    assert link.concurrency_blocks * block_size >= PREFETCH_INFLIGHT_BYTES

@@ -11,6 +11,7 @@ import trio
 from fakes import FakeHub
 from spoke_parts import BLOCK, KiB, NoPlans, Spoke, running_spoke
 
+from cachefs import config
 from cachefs.config import COALESCE_BLOCKS
 from cachefs.namespace.tree import Inode
 from cachefs.read.handles import OpenFile
@@ -163,3 +164,27 @@ async def test_a_file_read_at_random_is_filled_whole_when_it_fits_the_free_cache
             assert await spoke.read(handle, blockno * BLOCK + 100, 4 * KiB) == spoke.files["a.bin"][
                 blockno * BLOCK + 100 : blockno * BLOCK + 100 + 4 * KiB]
         assert len(spoke.hub.requests) == before
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("block_size", [16 * KiB, 64 * KiB])
+async def test_a_fill_keeps_the_same_bytes_in_flight_whatever_the_block_size(
+    block_size: int, tmp_path: Path, autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs of RUN_BYTES (here 256 KiB), FILL_RUNS_IN_FLIGHT of them at once: blocks sized to small
+    samples fetch as many bytes per round trip as large ones."""
+    monkeypatch.setattr(config, "RUN_BYTES", 256 * KiB)
+    hub = FakeHub()
+    hub.delay_s = 1.0
+    data = os.urandom(40 * BLOCK)
+    async with running_spoke(tmp_path, {"a.bin": data}, hub=hub, block_size=block_size,
+                             prefetch_connections=24) as spoke:
+        handle = spoke.open("a.bin")
+        started = trio.current_time()
+        for offset in (31 * BLOCK, 7 * BLOCK, 22 * BLOCK, 15 * BLOCK):
+            assert await spoke.read(handle, offset + 100, 4 * KiB) == data[offset + 100:offset + 100 + 4 * KiB]
+        await trio.sleep(20)
+        fills = [request for request in hub.ranges() if len(request.lengths) > 1]
+        waves = sorted({request.at_s - started for request in fills})
+        assert max(sum(request.lengths) for request in fills) == 256 * KiB
+        assert sum(request.at_s - started == waves[0] for request in fills) == 8
