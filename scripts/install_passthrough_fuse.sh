@@ -17,6 +17,8 @@
 #      apt state: the machine's sources and package lists are left as they are.
 #   2. builds pyfuse3 3.5.0 from its PyPI sdist with
 #      third_party/pyfuse3-3.5.0-passthrough.patch, linked to that libfuse.
+#      The patch also makes pyfuse3's main loop read /dev/fuse until it has
+#      no more requests before it waits in epoll (docs/performance.md).
 # cachefs works with a stock pyfuse3 too; it then serves every read itself.
 set -euo pipefail
 
@@ -26,7 +28,9 @@ min_libfuse=3.17
 source_suite=${FUSE_SOURCE_SUITE:-trixie}
 pyfuse3_version=3.5.0
 prefix=$venv/libfuse
-stamp=$venv/.passthrough-pyfuse3-$pyfuse3_version
+patch_file=$root/third_party/pyfuse3-$pyfuse3_version-passthrough.patch
+# Named after the patch's hash, so that a changed patch rebuilds pyfuse3 in an existing venv.
+stamp=$venv/.passthrough-pyfuse3-$pyfuse3_version-$(sha256sum "$patch_file" | cut -c1-16)
 
 if [ -e "$stamp" ]; then
     exit 0
@@ -88,15 +92,19 @@ if pkg-config --atleast-version="$min_libfuse" fuse3 2>/dev/null; then
     echo "using the system's libfuse $(pkg-config --modversion fuse3) (for FUSE passthrough)"
     build_env=()
 else
-    build_libfuse
+    # A libfuse this script built into the venv before (only pyfuse3's patch changed) is kept.
+    if ! PKG_CONFIG_PATH="$prefix/lib/pkgconfig" pkg-config --atleast-version="$min_libfuse" fuse3 2>/dev/null; then
+        build_libfuse
+    fi
     build_env=(PKG_CONFIG_PATH="$prefix/lib/pkgconfig" LDFLAGS="-Wl,-rpath,$prefix/lib")
 fi
 
 echo "building pyfuse3 $pyfuse3_version with the passthrough patch"
 "$venv/bin/pip" download -q --no-binary :all: --no-deps "pyfuse3==$pyfuse3_version" -d "$work"
 tar -xzf "$work/pyfuse3-$pyfuse3_version.tar.gz" -C "$work"
-patch -d "$work/pyfuse3-$pyfuse3_version" -p1 -s <"$root/third_party/pyfuse3-$pyfuse3_version-passthrough.patch"
+patch -d "$work/pyfuse3-$pyfuse3_version" -p1 -s <"$patch_file"
 "$venv/bin/pip" uninstall -q -y pyfuse3 >/dev/null 2>&1 || true  # a stock build, if any
 env "${build_env[@]}" "$venv/bin/pip" install -q "$work/pyfuse3-$pyfuse3_version"
 "$venv/bin/python" -c "import pyfuse3; pyfuse3.get_session_fd; pyfuse3.FileInfo(backing_id=1)"
+rm -f "$venv"/.passthrough-pyfuse3-*  # the stamps of earlier patches
 touch "$stamp"

@@ -8,10 +8,14 @@ import mmap
 import os
 import random
 import shutil
+import signal
 import stat
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import lmdb
@@ -637,6 +641,68 @@ def test_unmount_with_read_ahead_in_flight_is_prompt_and_leaves_a_consistent_cac
             for index, data in enumerate(sources):
                 assert (again.mountpoint / "shards" / f"part-{index}.bin").read_bytes() == data
             assert again.stats()["corrupt_blocks"] == 0
+
+
+# A reader in a subprocess, so that a test can kill it mid-read: `direct` reads block 0
+# with O_DIRECT (a request the reader waits for), else the file whole through the page cache.
+_READER = """
+import os, sys
+if sys.argv[2] == "direct":
+    fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECT)
+    os.pread(fd, int(sys.argv[3]), 0)
+else:
+    open(sys.argv[1], "rb").read()
+"""
+
+
+def _start_readers(mountpoint: Path, count: int, mode: str) -> list[subprocess.Popen[bytes]]:
+    return [subprocess.Popen([sys.executable, "-c", _READER, str(mountpoint / "shards" / f"part-{index}.bin"), mode,
+                              str(TEST_BLOCK_SIZE)]) for index in range(count)]
+
+
+def test_readers_killed_while_the_hub_holds_their_reads(tmp_path: Path) -> None:
+    """Readers wait for a hub that answers after seconds. Killed in direct reads, their
+    requests get a FUSE INTERRUPT: the daemon answers them when the hub does, answers
+    other requests meanwhile, and then serves every byte. Killed in page-cache reads,
+    they leave at once, and an unmount with their reads still in flight in the daemon
+    ends it after the fetch timeout, long before the hub would answer, without a
+    traceback."""
+    root, sources = _write_shards(tmp_path / "data", 4, 4)
+    with running_hub(root) as hub:
+        with running_fault_proxy(hub.url, fault_rate=0.0, delay_s=6.0) as proxy:
+            with mounted_spoke(proxy.url, tmp_path, [*SPOKE_ARGS, "--fetch-timeout", "30"]) as spoke:
+                readers = _start_readers(spoke.mountpoint, len(sources), "direct")
+                wait_for_stats(spoke, lambda _stats: proxy.data_in_flight >= len(readers))
+                for reader in readers:
+                    reader.kill()
+                began = time.monotonic()
+                assert spoke.stats()["pid"] == spoke.pid
+                assert time.monotonic() - began < 3.0  # not after the held reads
+                for reader in readers:
+                    assert reader.wait(timeout=30) == -signal.SIGKILL
+                with ThreadPoolExecutor(len(sources)) as pool:  # side by side: each fetch waits for the hub
+                    read = pool.map(lambda index: (spoke.mountpoint / "shards" / f"part-{index}.bin").read_bytes(),
+                                    range(len(sources)))
+                    assert list(read) == sources
+            assert "Traceback" not in spoke.log_text(), spoke.log_text()
+
+        with running_fault_proxy(hub.url, fault_rate=0.0, delay_s=60.0) as proxy:
+            spoke = mount_spoke(proxy.url, tmp_path / "held", tmp_path / "held-cache", SPOKE_ARGS)  # fetch timeout 5 s
+            try:
+                readers = _start_readers(spoke.mountpoint, len(sources), "cached")
+                wait_for_stats(spoke, lambda _stats: proxy.data_in_flight >= len(readers))
+                for reader in readers:
+                    reader.kill()
+                for reader in readers:
+                    assert reader.wait(timeout=10) == -signal.SIGKILL
+                began = time.monotonic()
+                result = run_cachefs("unmount", spoke.mountpoint)
+                assert result.returncode == 0, result.stderr
+                assert spoke.pid is not None and wait_for_pid(spoke.pid, 30.0)
+                assert time.monotonic() - began < 30.0  # not after the held reads
+            finally:
+                spoke.unmount()
+            assert "Traceback" not in spoke.log_text(), spoke.log_text()
 
 
 def test_read_ahead_follows_a_reader_that_takes_every_other_file(tmp_path: Path) -> None:

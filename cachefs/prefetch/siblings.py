@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import time
 from collections.abc import Callable, Iterator
 
 import trio
@@ -34,6 +35,14 @@ BATCH_MAX_BYTES = 8 * 1024 * 1024  # the hub's limit (docs/protocol.md)
 # loop's thread (after a reboot or a dropped page cache).
 PAGE_IN_INTERVAL_S = 10.0
 PAGED_IN_REMEMBERED = 4096
+# Small files are paged in on the trio thread while that takes less than this
+# per file on average (an open and a POSIX_FADV_WILLNEED: ~50 us on a virtio
+# disk with the dentry cache dropped, a walk's ~64 files in 2-3 ms): done in a
+# worker thread, they start later and cost the loop more, and a warm read of
+# many small files takes longer (docs/performance.md). A disk that needs
+# longer (a seek per inode) moves them to a worker thread, so that a walk's
+# batch does not hold up other requests.
+INLINE_PAGE_IN_S_PER_FILE = 0.0002
 
 
 class Siblings:
@@ -52,6 +61,8 @@ class Siblings:
         self._siblings_ahead: collections.OrderedDict[int, int] = collections.OrderedDict()
         # ino -> when a large file's index entries or a small file's data were last paged in
         self._paged_in: collections.OrderedDict[int, float] = collections.OrderedDict()
+        # Recent seconds per file of a small-file page-in (exponentially weighted; any thread).
+        self._page_in_s_per_file = 0.0
 
     def page_in_index(self, inode: Inode) -> None:
         """On open of a large file, bring its index entries into memory in a worker thread."""
@@ -107,13 +118,24 @@ class Siblings:
             self._queue.start_files(batch)
 
     def _page_in_small_files(self, files: list[Inode]) -> None:
-        """Start reading cached small files into the page cache, in a worker thread: a walk's
-        reads then find them in memory instead of each waiting for the disk on the event
-        loop's thread, one after the other."""
+        """Start reading cached small files into the page cache: a walk's reads then find
+        them in memory instead of each waiting for the disk on the event loop's thread, one
+        after the other. On the trio thread while that is fast, else in a worker thread."""
         now = trio.current_time()
         fresh = [(inode.file_id, inode.version, inode.size) for inode in files if self._page_in_due(inode, now)]
-        if fresh:
-            self._in_worker_thread(functools.partial(self._cache.page_in_files, fresh))
+        if not fresh:
+            return
+        if self._page_in_s_per_file < INLINE_PAGE_IN_S_PER_FILE:
+            self._timed_page_in(fresh)
+        else:
+            self._in_worker_thread(functools.partial(self._timed_page_in, fresh))
+
+    def _timed_page_in(self, files: list[tuple[bytes, bytes, int]]) -> None:
+        """Page in cached small files, folding the time per file into the recent one (any thread)."""
+        started = time.perf_counter()
+        self._cache.page_in_files(files)
+        per_file_s = (time.perf_counter() - started) / len(files)
+        self._page_in_s_per_file += (per_file_s - self._page_in_s_per_file) / 8
 
     @staticmethod
     def _covered(followers: list[Inode]) -> list[Inode]:

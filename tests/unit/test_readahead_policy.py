@@ -4,6 +4,8 @@ small files after an opened one, and staying off files a plan covers."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from spoke_parts import BLOCK, KiB, NoPlans, Spoke, running_spoke
 from cachefs import config
 from cachefs.config import COALESCE_BLOCKS
 from cachefs.namespace.tree import Inode
+from cachefs.prefetch import siblings
 from cachefs.read.handles import OpenFile
 
 ANSWER_S = 0.01  # the fake hub's delay: every request takes a little time, as on a link
@@ -114,6 +117,49 @@ async def test_opening_a_small_file_prefetches_the_files_after_it_in_one_batch(
             assert await spoke.read(spoke.open(path), 0, 64 * KiB) == files[path]
         assert not [request for request in spoke.hub.requests[before:]
                     if set(request.file_ids) & {spoke.key(f"images/{i:03d}.jpg", 0).file_id.hex() for i in range(1, 9)}]
+
+
+@pytest.mark.trio
+async def test_cached_small_files_are_paged_in_on_the_trio_thread_while_that_is_fast(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An open pages in the cached files after it on the trio thread; once page-ins take
+    1 ms a file (a slow disk) they go to a worker thread, and back when they are fast.
+    (Real time: a mock clock would jump while a worker thread sleeps.)"""
+    monkeypatch.setattr(siblings, "PAGE_IN_INTERVAL_S", 0.0)  # every open pages its followers in again
+    files = {f"images/{index:03d}.jpg": os.urandom(3 * KiB + index) for index in range(20)}
+    async with running_spoke(tmp_path, files, sibling_prefetch_files=8) as spoke:
+        assert await spoke.read(spoke.open("images/000.jpg"), 0, 64 * KiB) == files["images/000.jpg"]
+        with trio.fail_after(10):
+            while not all(spoke.cache.contains(spoke.key(f"images/{index:03d}.jpg", 0)) for index in range(1, 9)):
+                await spoke.written()
+        on_trio_thread: list[bool] = []
+        per_file_s = 0.001
+        paged_in = trio.Event()
+
+        def page_in_files(paged: list[tuple[bytes, bytes, int]]) -> None:
+            assert len(paged) == 8
+            time.sleep(per_file_s * len(paged))
+            on_trio_thread.append(threading.current_thread() is threading.main_thread())
+            if on_trio_thread[-1]:
+                paged_in.set()
+            else:
+                trio.from_thread.run_sync(paged_in.set)
+
+        spoke.cache.page_in_files = page_in_files  # type: ignore[method-assign]
+        for opens in range(1, 17):
+            if opens == 4:
+                per_file_s = 0.0
+            paged_in = trio.Event()
+            spoke.open("images/000.jpg")
+            with trio.fail_after(10):
+                await paged_in.wait()
+            assert len(on_trio_thread) == opens
+        # Two slow page-ins (1 ms a file) make the recent time too long; fast ones in a
+        # worker thread bring it back under the limit.
+        assert on_trio_thread[:4] == [True, True, False, False]
+        back = on_trio_thread.index(True, 4)
+        assert on_trio_thread[back:] == [True] * (16 - back)
 
 
 class CoversEverything(NoPlans):
