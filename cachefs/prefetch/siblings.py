@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import time
 from collections.abc import Callable, Iterator
 
 import trio
@@ -13,6 +12,7 @@ from ..cache import BlockCache
 from ..config import COALESCE_BLOCKS
 from ..fetch.fetcher import Fetcher
 from ..namespace.tree import Inode, Namespace
+from ..read.blocks import SmallDiskReads
 from ..read.handles import OpenFile
 from .bounded import remember
 from .queue import PrefetchQueue, head_key
@@ -61,8 +61,7 @@ class Siblings:
         self._siblings_ahead: collections.OrderedDict[int, int] = collections.OrderedDict()
         # ino -> when a large file's index entries or a small file's data were last paged in
         self._paged_in: collections.OrderedDict[int, float] = collections.OrderedDict()
-        # Recent seconds per file of a small-file page-in (exponentially weighted; any thread).
-        self._page_in_s_per_file = 0.0
+        self._page_ins = SmallDiskReads(INLINE_PAGE_IN_S_PER_FILE)
 
     def page_in_index(self, inode: Inode) -> None:
         """On open of a large file, bring its index entries into memory in a worker thread."""
@@ -125,17 +124,11 @@ class Siblings:
         fresh = [(inode.file_id, inode.version, inode.size) for inode in files if self._page_in_due(inode, now)]
         if not fresh:
             return
-        if self._page_in_s_per_file < INLINE_PAGE_IN_S_PER_FILE:
-            self._timed_page_in(fresh)
+        page_in = functools.partial(self._page_ins.timed, functools.partial(self._cache.page_in_files, fresh), len(fresh))
+        if self._page_ins.fast:
+            page_in()
         else:
-            self._in_worker_thread(functools.partial(self._timed_page_in, fresh))
-
-    def _timed_page_in(self, files: list[tuple[bytes, bytes, int]]) -> None:
-        """Page in cached small files, folding the time per file into the recent one (any thread)."""
-        started = time.perf_counter()
-        self._cache.page_in_files(files)
-        per_file_s = (time.perf_counter() - started) / len(files)
-        self._page_in_s_per_file += (per_file_s - self._page_in_s_per_file) / 8
+            self._in_worker_thread(page_in)
 
     @staticmethod
     def _covered(followers: list[Inode]) -> list[Inode]:

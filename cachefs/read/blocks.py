@@ -34,7 +34,9 @@ _Read = TypeVar("_Read")
 
 
 class SmallDiskReads:
-    """The recent time of a small disk read (exponentially weighted), and whether it is short."""
+    """The recent time of a small disk operation per item (exponentially weighted), and
+    whether it is short: reads of part of a block here, page-ins of small files in
+    prefetch/siblings.py."""
 
     def __init__(self, limit_s: float) -> None:
         self.limit_s = limit_s
@@ -44,13 +46,13 @@ class SmallDiskReads:
     def fast(self) -> bool:
         return self.recent_s < self.limit_s
 
-    def timed(self, read: Callable[[], _Read]) -> _Read:
-        """read(), folding its duration into the recent time (any thread)."""
+    def timed(self, read: Callable[[], _Read], items: int = 1) -> _Read:
+        """read() of `items` items, folding its duration per item into the recent time (any thread)."""
         started = time.perf_counter()
         try:
             return read()
         finally:
-            self.recent_s += (time.perf_counter() - started - self.recent_s) / 8
+            self.recent_s += ((time.perf_counter() - started) / items - self.recent_s) / 8
 
 
 class BlockSource:
