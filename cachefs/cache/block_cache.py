@@ -160,16 +160,24 @@ class BlockCache:
         data = self._read_chunks(key, entry, first, min(entry.length, -(-stop // CHUNK_BYTES) * CHUNK_BYTES), nowait)
         return None if data is None else memoryview(data)[start - first : stop - first]
 
-    def _read_chunks(self, key: BlockKey, entry: IndexEntry, start: int, stop: int, nowait: bool) -> BlockData | None:
-        """Bytes [start, stop) of a block, chunk-aligned, checked against their chunk sums."""
+    def _read_intact(self, key: BlockKey, entry: IndexEntry, start: int, stop: int, nowait: bool) -> BlockData | None:
+        """Bytes [start, stop) of a block, chunk-aligned, if they can be read and match
+        their chunk sums, else None (the caller decides what a bad block costs)."""
         try:
             data = self.store.read(key, start, stop - start, nowait=nowait)
         except BlockingIOError:
             raise
         except OSError as exc:
             log.warning("cannot read cached %s: %s", key, exc)
-            data = None
+            return None
         if data is None or chunk_sums(data) != _sums_of_range(entry, start, len(data)):
+            return None
+        return data
+
+    def _read_chunks(self, key: BlockKey, entry: IndexEntry, start: int, stop: int, nowait: bool) -> BlockData | None:
+        """Bytes [start, stop) of a block, chunk-aligned, checked against their chunk sums; a bad block is dropped."""
+        data = self._read_intact(key, entry, start, stop, nowait)
+        if data is None:
             current = self.index.get(key)
             if current is None or current.seq != entry.seq:
                 return None  # evicted (or replaced) while it was being read: a plain miss
@@ -381,18 +389,8 @@ class BlockCache:
                 break
             entries.append((key, entry))
             planned += entry.length
-        read = 0
-        bad: list[BlockKey] = []
-        for key, entry in entries:
-            try:
-                data = self.store.read(key, 0, entry.length)
-            except OSError as exc:
-                log.warning("cannot read cached %s: %s", key, exc)
-                data = None
-            read += entry.length
-            if data is None or chunk_sums(data) != entry.chunk_sums:
-                bad.append(key)
-        return next_blockno, read, bad
+        bad = [key for key, entry in entries if self._read_intact(key, entry, 0, entry.length, False) is None]
+        return next_blockno, planned, bad
 
     def drop_changed(self, keys: list[BlockKey]) -> None:
         """Drop blocks whose bytes changed on disk after their file was verified: their

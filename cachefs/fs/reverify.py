@@ -77,15 +77,14 @@ class Reverifier:
                 self._cache.reverify_blocks, file_id, version, blockno, STEP_BYTES)
             bad.extend(step_bad)
             await trio.sleep_until(started + read / self._rate_bytes)
+        self._stats.reverified_files += 1
         if not bad:
             await trio.to_thread.run_sync(self._cache.reverified, file_id, version)
-            self._stats.reverified_files += 1
             return
         # The mark goes first: from then on no new open is handed the data file.
         await trio.to_thread.run_sync(self._cache.drop_changed, bad)
         self._passthrough.revoke(file_id, version)
         self._stats.reverify_failures += 1
-        self._stats.reverified_files += 1
         log.error("cached file %s changed on disk after its verification (%d bad blocks, first %s): "
                   "the daemon serves it again and fetches those blocks from the hub",
                   file_id.hex(), len(bad), bad[0])
