@@ -117,9 +117,13 @@ def validate_tier_slice(size_bytes: int) -> int:
     return size_bytes
 
 
+MIN_BLOCK_SIZE = 64 * KiB
+MAX_BLOCK_SIZE = 64 * MiB
+
+
 def validate_block_size(size_bytes: int) -> int:
     """Block sizes are powers of two from 64 KiB to 64 MiB."""
-    if size_bytes < 64 * KiB or size_bytes > 64 * MiB or size_bytes & (size_bytes - 1):
+    if size_bytes < MIN_BLOCK_SIZE or size_bytes > MAX_BLOCK_SIZE or size_bytes & (size_bytes - 1):
         raise UsageError(f"invalid block size {size_bytes}: must be a power of two from 64K to 64M")
     return size_bytes
 

@@ -12,6 +12,7 @@ import trio
 
 from ..cache import BlockKey
 from ..cache.plan_eviction import INFINITE
+from ..config import MIN_BLOCK_SIZE
 from ..namespace.tree import Inode, block_length
 from . import entries as entry_store
 from .entries import EntryStore, PlanFiles
@@ -34,7 +35,6 @@ RECENT_BLOCKS = 16  # one sample's read split into several FUSE reads is one use
 # a smaller block size: a cold epoch fetches whole blocks for each use, and its
 # first batches need most blocks at once.
 ADVISE_BELOW_READ_SHARE = 0.5
-MIN_BLOCK_SIZE = 64 << 10  # the smallest --block-size a mount takes
 _BLOCK_BITS = 32
 
 
