@@ -81,8 +81,8 @@ class BlockCache:
     disk) the cache stops growing until the disk has room again.
 
     When the cache is full, a new block is admitted only if the frequency
-    sketch has seen it more often than the oldest unpinned block (TinyLFU,
-    see policy.py); otherwise it is served without being cached. While a
+    sketch saw it, before the use that fetched it, more often than the
+    oldest unpinned block (TinyLFU, see policy.py); otherwise it is served without being cached. While a
     loader's plan is active, `advisor` (the active plans) decides instead:
     the block whose next planned use is furthest away goes (plan_eviction.py).
     """
@@ -595,7 +595,7 @@ class _OldestVictims:
         return self._current
 
     def displaces(self, key: BlockKey, victim: BlockKey, ahead: Container[BlockKey] = ()) -> bool:
-        return self._sketch.expected(key, ahead) > self._sketch.expected(victim, ahead)
+        return self._sketch.admits(key, victim, ahead)
 
     def take(self) -> None:
         self._current = None

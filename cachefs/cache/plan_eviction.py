@@ -117,7 +117,7 @@ class PlanVictims:
         if distance < victim_distance:
             return True
         if distance == victim_distance == INFINITE:
-            return self._cache.sketch.expected(key, ahead) > self._cache.sketch.expected(victim, ahead)
+            return self._cache.sketch.admits(key, victim, ahead)
         return False  # the victim is needed again, the block offered is not needed sooner
 
     def take(self) -> None:

@@ -3,13 +3,14 @@
 LRU, FIFO and CLOCK all fall to a 0 % hit ratio when training epochs loop
 over a dataset larger than the cache: each block is evicted just before its
 next use. TinyLFU keeps a compact count of recent accesses (a count-min
-sketch) and, when the cache is full, admits a new block only if it has been
-used more often than the block it would evict. In a loop every block has
-the same count, so the incumbents stay and each epoch hits on cache/dataset
-of its reads, the best any policy can do without knowing the future. A
-one-time scan by another job never displaces blocks in use. Counts are
-halved every `aging_accesses` accesses, so a new working set that is read
-repeatedly takes over from an old one.
+sketch) and, when the cache is full, admits a new block only if it was used
+more often before the use that fetched it than the block it would evict was
+in all (`admits`). In a loop every block has the same count, so the
+incumbents stay and each epoch hits on cache/dataset of its reads, the best
+any policy can do without knowing the future. A one-time scan by another
+job never displaces blocks in use. Counts are halved every `aging_accesses`
+accesses, so a new working set that is read repeatedly takes over from an
+old one.
 
 The sketch is saved in the cache dir and survives restarts.
 """
@@ -71,6 +72,17 @@ class FrequencySketch:
         """The block's count, plus one if it is in `ahead` (fetched ahead of its first read,
         not read yet): that read is on its way, and the sketch counts it only when it happens."""
         return self.estimate(key) + (key in ahead)
+
+    def admits(self, key: BlockKey, victim: BlockKey, ahead: Container[BlockKey]) -> bool:
+        """Whether a block offered to a full cache takes `victim`'s place: its uses before the
+        one that fetched it outnumber all of the victim's (both counting a read on its way).
+
+        The fetching use is left out because, part way through a loop's pass, it is
+        counted for the block offered while the victim's use in the same pass is still
+        to come: counting it let each block fetched displace one the reader needs next,
+        and a cache not holding the loop's first blocks (read-ahead's writes land out of
+        order) lost every hit, pass after pass."""
+        return self.expected(key, ahead) - 1 > self.expected(victim, ahead)
 
     def _age(self) -> None:
         self.counters = bytearray(self.counters.translate(_HALVED))

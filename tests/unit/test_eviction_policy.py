@@ -90,14 +90,15 @@ def test_a_block_the_plan_is_done_with_goes_first(tmp_path: Path) -> None:
 
 
 def test_without_a_plan_a_block_seen_once_does_not_displace_more_popular_ones(tmp_path: Path) -> None:
-    """TinyLFU: a newcomer takes the oldest block's place only if it was asked for more often."""
+    """TinyLFU: a newcomer takes the oldest block's place only if it was asked for more often
+    before the request that fetched it."""
     with full_cache(tmp_path, ActivePlans(HeldBlocks(budget_of()))) as (cache, stats):
         for blockno in range(CAPACITY_BLOCKS):
             cache.sketch.record(key(blockno))
             cache.sketch.record(key(blockno))
         cache.sketch.record(key(8))
         assert cache.insert_many([(key(8), os.urandom(BLOCK), False)]) == 0
-        for _ in range(3):
+        for _ in range(4):
             cache.sketch.record(key(9))
         assert cache.insert_many([(key(9), os.urandom(BLOCK), False)]) == 1
         assert cached(cache) == [1, 2, 3, 9] and stats.rejected_blocks == 1
