@@ -385,12 +385,13 @@ class Planner:
         plan.generation = shown.generation if shown is not None else None
         plan.min_trail = plan.trail = self._learned_trail
         self._plans[plan.id] = plan
+        arrival = self.training.mark()  # prefetch follows the plan while it arrives: its epoch begins here
         try:
             if not await receive_plan(plan, lines, self._namespace, self._wake.set):
                 log.info("plan %d: the client went away before sending all of it", plan.id)
                 return plan.summary()
             plan.mark_complete()
-            plan.epoch = self.training.start_epoch(epoch)
+            plan.epoch = self.training.start_epoch(epoch, since=arrival)
             plan.advance_tail()
             log.info("plan %d (epoch %d): %d reads of %d files, %d block uses",
                      plan.id, plan.epoch, plan.reads, len(plan.files), plan.store.length)

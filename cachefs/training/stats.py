@@ -3,7 +3,8 @@
 Epochs are what loaders say they are: a plan (planner.py) carries its
 epoch number, and the first plan of a new epoch closes the record of the
 previous one. Each record holds the differences of the mount's counters
-(metrics.Stats) over the epoch.
+(metrics.Stats) over the epoch, which begins when that plan began to arrive
+(prefetch follows a plan while it is received).
 
 *Time to warm* is the time from the first block read (of the mount, or of
 an epoch) until the hit ratio went above `WARM_HIT_RATIO` and stayed there.
@@ -55,6 +56,15 @@ class WarmTracker:
         return max(0.0, self.warm_since_s - self.reference_s)
 
 
+@dataclasses.dataclass(frozen=True)
+class Mark:
+    """The clocks and the mount's counters at one moment: where an epoch may be said to begin."""
+
+    monotonic_s: float
+    unix: float
+    counters: dict[str, float]
+
+
 @dataclasses.dataclass
 class EpochRecord:
     epoch: int
@@ -98,18 +108,22 @@ class TrainingStats:
     def current_epoch(self) -> int | None:
         return self.epochs[-1].epoch if self.epochs and self.epochs[-1].end is None else None
 
-    def start_epoch(self, epoch: int | None) -> int:
-        """Make `epoch` (None: the one after the last) the current epoch; returns its number."""
+    def mark(self) -> Mark:
+        return Mark(self._clock(), time.time(), self._counters())
+
+    def start_epoch(self, epoch: int | None, since: Mark | None = None) -> int:
+        """Make `epoch` (None: the one after the last) the current epoch, begun at `since` (a mark
+        taken as its plan began to arrive; now if None or older than the current epoch); returns its number."""
         if epoch is None:
             epoch = self.epochs[-1].epoch + 1 if self.epochs else 1
         if epoch == self.current_epoch:
             return epoch
         self.tick(force=True)
-        now = self._clock()
-        counters = self._counters()
+        if since is None or (self.epochs and since.monotonic_s < self.epochs[-1].started_s):
+            since = self.mark()
         if self.epochs and self.epochs[-1].end is None:
-            self.epochs[-1].end, self.epochs[-1].ended_s = counters, now
-        self.epochs.append(EpochRecord(epoch, now, time.time(), counters, WarmTracker(now)))
+            self.epochs[-1].end, self.epochs[-1].ended_s = since.counters, since.monotonic_s
+        self.epochs.append(EpochRecord(epoch, since.monotonic_s, since.unix, since.counters, WarmTracker(since.monotonic_s)))
         return epoch
 
     def tick(self, force: bool = False) -> None:
