@@ -32,8 +32,11 @@ from mount_helpers import (
 from cachefs.cache import BlockCache, BlockKey
 from cachefs.cache import block_cache as block_cache_module
 from cachefs.cache.block_cache import boot_id
+from cachefs.fs import passthrough as passthrough_module
+from cachefs.fs.passthrough import Passthrough
 from cachefs.fs.reverify import Reverifier
 from cachefs.metrics import Stats
+from cachefs.namespace.tree import KIND_FILE, Inode
 
 SHARD = "shards/shard-000.bin"  # 3 MiB + 17: 49 test blocks, the last one short
 ARGS = (*SPOKE_ARGS, "--prefetch-siblings", "0", "--passthrough")  # only the files a test reads get cached
@@ -240,10 +243,11 @@ def _insert_file(cache: BlockCache) -> list[BlockKey]:
 def test_a_file_is_verified_only_whole_and_only_for_this_boot(cache: BlockCache, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     keys = _insert_file(cache)
-    assert cache.verify_files([(FILE_ID, VERSION, [*LENGTHS, BLOCK])]) == 0  # a block missing
-    assert cache.verify_files([(FILE_ID, VERSION, [BLOCK, BLOCK, 99])]) == 0  # a length that does not match
+    assert cache.verify_files([(FILE_ID, VERSION, [*LENGTHS, BLOCK])]) == set()  # a block missing
+    assert cache.verify_files([(FILE_ID, VERSION, [BLOCK, BLOCK, 99])]) == set()  # a length that does not match
     assert not cache.verified(FILE_ID, VERSION)
-    assert cache.verify_files([(b"\x09" * 8, VERSION, [BLOCK]), (FILE_ID, VERSION, LENGTHS)]) == 1  # one commit
+    marked = cache.verify_files([(b"\x09" * 8, VERSION, [BLOCK]), (FILE_ID, VERSION, LENGTHS)])  # one commit
+    assert marked == {(FILE_ID, VERSION)}
     assert cache.verified(FILE_ID, VERSION)
     # Another boot (a power loss may have kept entries whose bytes never reached the disk).
     other_boot = tmp_path / "boot_id"
@@ -263,7 +267,7 @@ def test_a_file_is_verified_only_whole_and_only_for_this_boot(cache: BlockCache,
 
 def test_a_held_file_keeps_its_blocks_and_its_mark(cache: BlockCache) -> None:
     keys = _insert_file(cache)
-    assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == 1
+    assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == {(FILE_ID, VERSION)}
     assert cache.hold(FILE_ID, VERSION)
     cache.remove(keys[0])  # what eviction and a failed check do: skipped while held
     assert cache.contains(keys[0]) and cache.verified(FILE_ID, VERSION)
@@ -276,7 +280,7 @@ def test_a_verified_data_file_is_sealed_and_only_a_drop_unseals_it(cache: BlockC
     keys = _insert_file(cache)
     path = cache.store.path(FILE_ID, VERSION)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == 1
+    assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == {(FILE_ID, VERSION)}
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o400
     assert cache.insert_many([(keys[0], b"\xee" * BLOCK, True)]) == 0  # refused (root could write any mode)
     entry = cache.entry(keys[0])
@@ -289,7 +293,7 @@ def test_a_verified_data_file_is_sealed_and_only_a_drop_unseals_it(cache: BlockC
 
 def test_reverification_finds_a_changed_block_in_steps_and_drops_only_it(cache: BlockCache) -> None:
     keys = _insert_file(cache)
-    assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == 1
+    assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == {(FILE_ID, VERSION)}
     assert cache.reverify_blocks(FILE_ID, VERSION, 0, 1 << 30) == (None, sum(LENGTHS), [])
     with open(cache.store.path(FILE_ID, VERSION), "r+b") as disk:
         disk.seek(BLOCK + 5)
@@ -321,7 +325,7 @@ def test_a_file_is_reverified_a_period_after_its_last_verification_even_across_r
     """The time of a file's last verification is in the index, so a daemon started
     since (a new Reverifier) re-hashes it when it is due, not a period after its start."""
     keys = _insert_file(cache)
-    assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == 1
+    assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == {(FILE_ID, VERSION)}
     stats, revoked = Stats(), _Revoked()
 
     def one_round() -> None:
@@ -344,3 +348,37 @@ def test_a_file_is_reverified_a_period_after_its_last_verification_even_across_r
     assert revoked.files == [(FILE_ID, VERSION)]
     assert not cache.verified(FILE_ID, VERSION)
     assert [cache.contains(key) for key in keys] == [True, True, False]
+
+
+class _NoPlans:
+    def active(self) -> bool:
+        return False
+
+
+@pytest.mark.trio
+async def test_a_file_whose_last_block_reaches_the_cache_late_is_verified_once_it_does(
+        cache: BlockCache, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loaded machine's cache writer can be seconds behind a file's release: the file found
+    incomplete is looked at again (before, it waited for its next open and release)."""
+    monkeypatch.setattr(passthrough_module, "VERIFY_DELAY_S", 0.05)
+    stats = Stats()
+    passthrough = Passthrough(cache, _NoPlans(), stats, enabled=True)
+    passthrough.enabled = True  # verification needs no kernel support
+    inode = Inode(ino=5, kind=KIND_FILE, mode=0o644, mtime_ns=0, size=sum(LENGTHS), parent=1,
+                  file_id=FILE_ID, version=VERSION)
+    keys = [BlockKey(FILE_ID, VERSION, blockno) for blockno in range(len(LENGTHS))]
+    blocks = [(key, bytes([key.blockno + 1]) * length, False) for key, length in zip(keys, LENGTHS, strict=True)]
+    assert cache.insert_many(blocks[:2]) == 2  # the last block is still on its way
+    assert passthrough.open(inode) == 0
+    passthrough.release(inode)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(passthrough.run_verifier)
+        await trio.sleep(0.08)  # looked at once, found incomplete
+        assert stats.verified_files == 0
+        assert cache.insert_many(blocks[2:]) == 1
+        for _ in range(250):  # 5 s at most
+            if cache.verified(FILE_ID, VERSION):
+                break
+            await trio.sleep(0.02)
+        nursery.cancel_scope.cancel()
+    assert stats.verified_files == 1

@@ -355,16 +355,16 @@ class BlockCache:
 
     # -- whole files for the kernel (FUSE passthrough) ----------------------------
 
-    def verify_files(self, files: list[tuple[bytes, bytes, list[int]]]) -> int:
+    def verify_files(self, files: list[tuple[bytes, bytes, list[int]]]) -> set[tuple[bytes, bytes]]:
         """Read back every block of each file version (file id, version, block
         lengths) and check it against its sums (worker thread); mark those whose
         blocks are all there and match as verified for this boot, in one commit.
-        Returns how many were marked. A corrupt block is dropped."""
+        Returns the (file id, version) marked. A corrupt block is dropped."""
         checked = [blocks for file_id, version, lengths in files if (blocks := self._check_file(file_id, version, lengths))]
         marked = self.index.mark_verified(checked, boot_id(), time.time()) if checked else []
         for file_id, version in marked:
             self.store.seal(file_id, version)
-        return len(marked)
+        return set(marked)
 
     def verified_versions(self) -> list[tuple[bytes, bytes, float]]:
         """(file id, version, wall-clock time of the last verification) of the file versions

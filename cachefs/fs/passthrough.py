@@ -57,8 +57,11 @@ MAX_PENDING_FILES = 4096
 VERIFY_BATCH_FILES = 64
 VERIFY_BATCH_BYTES = 64 << 20
 # A file is verified this long after its release: its last blocks may still
-# be on their way to the cache's writer.
+# be on their way to the cache's writer. One found incomplete is looked at
+# again after twice, four and eight times as long (a loaded machine's writer
+# can be seconds behind); after that, its next release queues it again.
 VERIFY_DELAY_S = 1.0
+VERIFY_RETRIES = 3
 
 
 def supported_by_pyfuse3() -> bool:
@@ -103,7 +106,7 @@ class Passthrough:
             self._note_unavailable("this pyfuse3 cannot hand files to the kernel; scripts/install_passthrough_fuse.sh "
                                    "builds one that can")
         self._opens: dict[int, _InodeOpens] = {}
-        self._pending: dict[tuple[bytes, bytes], tuple[Inode, float]] = {}  # -> (inode, due), due in order
+        self._pending: dict[tuple[bytes, bytes], tuple[Inode, float, int]] = {}  # -> (inode, due, retry), due in order
         self._pending_added = trio.Event()
 
     def probe(self) -> None:
@@ -232,13 +235,13 @@ class Passthrough:
 
     # -- background verification ------------------------------------------------------
 
-    def _queue_verification(self, inode: Inode) -> None:
+    def _queue_verification(self, inode: Inode, retry: int = 0) -> None:
         key = (inode.file_id, inode.version)
         if key in self._pending or len(self._pending) >= MAX_PENDING_FILES:
             return
         if self._cache.verified(inode.file_id, inode.version):
             return
-        self._pending[key] = (inode, trio.current_time() + VERIFY_DELAY_S)
+        self._pending[key] = (inode, trio.current_time() + VERIFY_DELAY_S * 2**retry, retry)
         self._pending_added.set()
 
     async def run_verifier(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -248,27 +251,31 @@ class Passthrough:
             await self._pending_added.wait()
             self._pending_added = trio.Event()
             while self._pending:
-                _inode, due = next(iter(self._pending.values()))
+                _inode, due, _retry = next(iter(self._pending.values()))
                 await trio.sleep_until(due)
                 batch = self._next_batch()
-                self._stats.verified_files += await trio.to_thread.run_sync(self._verify, batch)
+                marked = await trio.to_thread.run_sync(self._verify, [inode for inode, _retry in batch])
+                self._stats.verified_files += len(marked)
+                for inode, retry in batch:
+                    if (inode.file_id, inode.version) not in marked and retry < VERIFY_RETRIES and self.enabled:
+                        self._queue_verification(inode, retry + 1)
 
-    def _next_batch(self) -> list[Inode]:
-        """Due files, oldest first, up to a batch's count and bytes."""
-        batch: list[Inode] = []
+    def _next_batch(self) -> list[tuple[Inode, int]]:
+        """Due files (with their retry), oldest first, up to a batch's count and bytes."""
+        batch: list[tuple[Inode, int]] = []
         size = 0
         now = trio.current_time()
-        for key, (inode, due) in list(self._pending.items()):
+        for key, (inode, due, retry) in list(self._pending.items()):
             if due > now or (batch and (len(batch) >= VERIFY_BATCH_FILES or size >= VERIFY_BATCH_BYTES)):
                 break
             del self._pending[key]
-            batch.append(inode)
+            batch.append((inode, retry))
             size += inode.size
         return batch
 
-    def _verify(self, inodes: list[Inode]) -> int:
+    def _verify(self, inodes: list[Inode]) -> set[tuple[bytes, bytes]]:
         """Worker thread: check each file whole (an incomplete one is skipped after
-        its index entries); returns how many were marked verified."""
+        its index entries); returns the (file id, version) of those marked verified."""
         block_size = self._cache.store.block_size
         return self._cache.verify_files([
             (inode.file_id, inode.version,
