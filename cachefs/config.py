@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import grp
 import pwd
 import re
@@ -39,6 +40,15 @@ def format_size(size_bytes: float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+class PassthroughMode(enum.Enum):
+    """FUSE passthrough: where available (the default; a note if it is not), asked for
+    (--passthrough; a warning if it is not available), or off (--no-passthrough)."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -244,9 +254,7 @@ class MountConfig:
     # (one log line). Those reads skip the per-read checksum check, so a file
     # is handed over only once verified whole, its data file is sealed
     # read-only and re-verified every reverify_interval_s (docs/usage.md).
-    passthrough: bool = True
-    # Whether --passthrough was given: then its being unavailable is a warning, not a note.
-    passthrough_requested: bool = False
+    passthrough: PassthroughMode = PassthroughMode.AUTO
     # Re-hash each data file the kernel may read directly this long after its
     # last verification: a byte changed on disk after it is found within a
     # day (fs-verity, which would check every read, is not on every kernel).

@@ -226,7 +226,7 @@ async def _serve(
 
             sections = {"training": planner.snapshot, "tenants": lambda: share.snapshot(cache.used_bytes(), cache.pinned_bytes())}
             admin = Admin(config, namespace, cache, fetcher, stats, refresh=refresh, sections=sections)
-            passthrough = Passthrough(cache, plans, stats, enabled=config.passthrough, requested=config.passthrough_requested)
+            passthrough = Passthrough(cache, plans, stats, mode=config.passthrough)
             await nursery.start(passthrough.run_verifier)
             if passthrough.enabled:
                 reverifier = Reverifier(cache, passthrough, stats, interval_s=config.reverify_interval_s,

@@ -32,6 +32,7 @@ from mount_helpers import (
 from cachefs.cache import BlockCache, BlockKey
 from cachefs.cache import block_cache as block_cache_module
 from cachefs.cache.block_cache import boot_id
+from cachefs.config import PassthroughMode
 from cachefs.fs import passthrough as passthrough_module
 from cachefs.fs.passthrough import Passthrough
 from cachefs.fs.reverify import Reverifier
@@ -362,7 +363,7 @@ async def test_a_file_whose_last_block_reaches_the_cache_late_is_verified_once_i
     incomplete is looked at again (before, it waited for its next open and release)."""
     monkeypatch.setattr(passthrough_module, "VERIFY_DELAY_S", 0.05)
     stats = Stats()
-    passthrough = Passthrough(cache, _NoPlans(), stats, enabled=True)
+    passthrough = Passthrough(cache, _NoPlans(), stats, mode=PassthroughMode.AUTO)
     passthrough.enabled = True  # verification needs no kernel support
     inode = Inode(ino=5, kind=KIND_FILE, mode=0o644, mtime_ns=0, size=sum(LENGTHS), parent=1,
                   file_id=FILE_ID, version=VERSION)

@@ -23,6 +23,7 @@ from ..cache.store import can_free_space
 from ..cache.tenants import DEFAULT_TENANT, TENANTS_DIR, tenant_dir, validate_tenant
 from ..config import (
     MountConfig,
+    PassthroughMode,
     parse_group,
     parse_hub_url,
     parse_listen,
@@ -261,8 +262,7 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
         file_mode=parse_mode(args.file_mode) if args.file_mode is not None else None,
         dir_mode=parse_mode(args.dir_mode) if args.dir_mode is not None else None,
         nfs_export=args.nfs_export,
-        passthrough=args.passthrough is not False,
-        passthrough_requested=args.passthrough is True,
+        passthrough={None: PassthroughMode.AUTO, True: PassthroughMode.ON, False: PassthroughMode.OFF}[args.passthrough],
         reverify_interval_s=args.reverify_interval,
         reverify_rate_bytes=parse_size(args.reverify_rate),
         foreground=args.foreground,

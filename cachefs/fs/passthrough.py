@@ -37,6 +37,7 @@ import pyfuse3
 import trio
 
 from ..cache import BlockCache, BlockKey
+from ..config import PassthroughMode
 from ..errors import DataFileChanged, OpenInAnotherVersion
 from ..metrics import Stats
 from ..namespace.tree import Inode
@@ -94,15 +95,16 @@ class _InodeOpens:
 class Passthrough:
     """Decides per open whether the kernel reads the file directly, and verifies files for it."""
 
-    def __init__(self, cache: BlockCache, plans: PlanActivity, stats: Stats, *, enabled: bool, requested: bool = False) -> None:
-        """`enabled`: use passthrough where possible; `requested`: the user asked for it
-        (--passthrough), so its being unavailable is a warning rather than a note."""
+    def __init__(self, cache: BlockCache, plans: PlanActivity, stats: Stats, *, mode: PassthroughMode) -> None:
+        """`mode`: use passthrough where possible (AUTO), or asked for it (ON: its being
+        unavailable is then a warning rather than a note), or not at all (OFF)."""
         self._cache = cache
         self._plans = plans
         self._stats = stats
-        self._requested = requested
-        self.enabled = enabled and supported_by_pyfuse3()
-        if enabled and not self.enabled:
+        self._requested = mode is PassthroughMode.ON
+        wanted = mode is not PassthroughMode.OFF
+        self.enabled = wanted and supported_by_pyfuse3()
+        if wanted and not self.enabled:
             self._note_unavailable("this pyfuse3 cannot hand files to the kernel; scripts/install_passthrough_fuse.sh "
                                    "builds one that can")
         self._opens: dict[int, _InodeOpens] = {}
