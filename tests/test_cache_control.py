@@ -69,12 +69,13 @@ def test_capacity_never_exceeded_under_concurrent_load(hub, dataset: Path, tmp_p
         sampler.join()
         assert errors == []
         assert len(samples) > 10 and max(samples) <= limit
-        # The cache was really under pressure: it evicted, and it is over half full once the
+        # The cache was really under pressure: it evicted or turned blocks away (admission
+        # keeps blocks used as often as those offered), and it is over half full once the
         # writer is done. Not the samples' maximum: the count dips between a batch's eviction
         # commit and its insertion commit, and once, with tests run side by side, no sample
         # was over half (309 of 786 KB; not seen again in 20 runs, alone or 4 at once).
         settled = wait_for_stats(spoke, lambda stats: stats["cached_bytes"] > limit // 2)
-        assert settled["evicted_blocks"] > 0 and settled["cached_bytes"] <= limit
+        assert settled["evicted_blocks"] + settled["rejected_blocks"] > 0 and settled["cached_bytes"] <= limit
         # On disk: the block bytes, plus at most one filesystem allocation unit per data file
         # for the partial last block of a file.
         assert cache_disk_bytes(spoke.cache_dir) <= limit + 4096 * len(cache_data_files(spoke.cache_dir))
