@@ -194,11 +194,6 @@ class Fetcher:
         what was left of that fetch's. A changed file or a refused request
         fails the reader at once.
         """
-        # This reader is the read a claim on the block counts on: read-ahead may have
-        # claimed it after the reader counted its read (while it looked on disk), and
-        # a claim outliving its read makes admission count that read twice.
-        if self._claims.pop(key):
-            self._stats.readahead_used += 1
         await flight.done.wait()
         error = flight.error
         if error is None:

@@ -98,25 +98,35 @@ class Reader:
 
     async def _block(self, inode: Inode, blockno: int) -> BlockData:
         key = self._used(inode, blockno)
-        return await self._source.get(key, blockno * self.block_size, inode.block_length(blockno, self.block_size))
+        data = await self._source.get(key, blockno * self.block_size, inode.block_length(blockno, self.block_size))
+        self._claim_spent(key)
+        return data
 
     async def _block_part(self, inode: Inode, blockno: int, start: int, stop: int) -> bytes | memoryview:
         """Bytes [start, stop) of a block, for a small random read."""
         key = self._used(inode, blockno)
         part = await self._source.part(key, start, stop)
-        if part is not None:
-            return part
-        data = await self._source.get(key, blockno * self.block_size, inode.block_length(blockno, self.block_size))
-        return _view(data, start, stop)
+        if part is None:
+            part = _view(await self._source.get(key, blockno * self.block_size,
+                                                inode.block_length(blockno, self.block_size)), start, stop)
+        self._claim_spent(key)
+        return part
 
     def _used(self, inode: Inode, blockno: int) -> BlockKey:
         """A reader asks for a block: admission's sketch, the plans and read-ahead's claims hear of it."""
         key = BlockKey(inode.file_id, inode.version, blockno)
         self._sketch.record(key)
         self._plans.observe(key)
+        self._claim_spent(key)
+        return key
+
+    def _claim_spent(self, key: BlockKey) -> None:
+        """The block's read came: a read-ahead claim on it is spent (counted as read-ahead used).
+        Asked again once the read has its bytes: read-ahead may claim the block while the read
+        waits (on disk, or for a fetch it joins), and a claim outliving its read would make
+        admission count that read twice."""
         if self._claims.pop(key):
             self._stats.readahead_used += 1
-        return key
 
 
 def _view(data: BlockData, start: int, stop: int) -> bytes | memoryview:
