@@ -82,9 +82,10 @@ class BlockCache:
 
     When the cache is full, a new block is admitted only if the frequency
     sketch saw it, before the use that fetched it, more often than the
-    oldest unpinned block (TinyLFU, see policy.py); otherwise it is served without being cached. While a
-    loader's plan is active, `advisor` (the active plans) decides instead:
-    the block whose next planned use is furthest away goes (plan_eviction.py).
+    oldest unpinned block (TinyLFU, see policy.py); otherwise it is served
+    without being cached. While a loader's plan is active, `advisor` (the
+    active plans) decides instead: the block whose next planned use is
+    furthest away goes (plan_eviction.py).
     """
 
     def __init__(
