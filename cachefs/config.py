@@ -351,7 +351,8 @@ class MemoryBudget:
     # Fetched blocks waiting for the cache writer or being written: they bound
     # what a slow disk can make the daemon hold; fetchers then wait, never drop.
     write_queue_bytes: int
-    # Read-ahead's requests in flight: READAHEAD_RUNS_IN_FLIGHT runs of up to run_blocks (fills).
+    # Read-ahead's requests in flight: READAHEAD_RUNS_IN_FLIGHT of them, each holding the
+    # block it is receiving (a run's blocks go to the cache writer one by one as they arrive).
     read_ahead_runs_bytes: int
     # Blocks read ahead kept after their write until their first read (not in
     # the page cache: written with O_DIRECT), for this long at most; those held
@@ -412,7 +413,7 @@ def memory_budget(config: MountConfig) -> MemoryBudget:
         demand_bytes=config.memory_blocks * block,
         demand_fetch_bytes=config.fuse_max_background * block,
         write_queue_bytes=16 * MiB,
-        read_ahead_runs_bytes=READAHEAD_RUNS_IN_FLIGHT * run_blocks(block) * block,
+        read_ahead_runs_bytes=READAHEAD_RUNS_IN_FLIGHT * block,
         read_ahead_held_bytes=16 * MiB,
         read_ahead_max_age_s=30.0,
         read_ahead_stale_s=5.0,

@@ -21,7 +21,7 @@ from hub_helpers import HubProcess, fetch_manifest, running_hub, scrape_metrics
 
 from cachefs.cache import BlockCache, BlockKey
 from cachefs.config import MemoryBudget, parse_hub_url
-from cachefs.fetch.fetcher import Fetcher
+from cachefs.fetch.fetcher import Fetcher, Flight
 from cachefs.fetch.hub_client import HubClient
 from cachefs.metrics import Stats
 from cachefs.read.blocks import BlockSource
@@ -80,6 +80,26 @@ def hub_paused(hub: HubProcess) -> Iterator[None]:
         hub.proc.send_signal(signal.SIGCONT)
 
 
+async def handed_over(fetcher: Fetcher, keys: list[BlockKey], count: int) -> None:
+    """Until at least `count` of the keys' blocks have reached their readers (bounded; the
+    cache writer stopped, so every flight is still there)."""
+    arrived = 0
+
+    async def wait(flight: Flight | None, done: trio.CancelScope) -> None:
+        nonlocal arrived
+        assert flight is not None
+        await flight.done.wait()
+        arrived += 1
+        if arrived >= count:
+            done.cancel()
+
+    await trio.testing.wait_all_tasks_blocked()  # the runs just started have their flights
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            for key in keys:
+                nursery.start_soon(wait, fetcher.flight(key), nursery.cancel_scope)
+
+
 def block_keys(entry: dict, count: int) -> list[BlockKey]:
     return [BlockKey(bytes.fromhex(entry["i"]), bytes.fromhex(entry["v"]), blockno) for blockno in range(count)]
 
@@ -107,23 +127,26 @@ async def test_the_writer_backlog_counts_the_fetches_waiting_for_its_room(
     big_file_hub: tuple[str, dict], tmp_path: Path
 ) -> None:
     """Read-ahead waits to start runs while the cache writer is behind (`writer_backlog_below`):
-    with the writer stopped, 4 runs of 4 blocks fill its room and 2 more wait; once it runs,
+    with the writer stopped, 4 runs of 4 blocks fill its room and 2 more wait, each with the
+    one block it received (no run receives further than the writer's room); once it runs,
     none does."""
     url, entry = big_file_hub
     keys = block_keys(entry, 24)
     with block_cache(tmp_path, 4 * BLOCKS * BLOCK, BLOCK) as cache:
         fetcher = fetcher_for(url, cache)
         async with trio.open_nursery() as nursery:
-            for first in range(0, 24, 4):
+            for first in range(0, 16, 4):
                 nursery.start_soon(fetcher.read_ahead, keys[first : first + 4], first * BLOCK, [BLOCK] * 4)
-            await trio.testing.wait_all_tasks_blocked()  # every run has its flights
+            await handed_over(fetcher, keys[:16], 16)  # the writer's room, exactly
+            for first in (16, 20):
+                nursery.start_soon(fetcher.read_ahead, keys[first : first + 4], first * BLOCK, [BLOCK] * 4)
+            await handed_over(fetcher, keys[16:], 2)  # one block of each waiting run
             with trio.fail_after(10):
-                for key in keys:  # all fetched: 16 blocks queued for the writer, 2 runs waiting
-                    await fetcher.flight(key).done.wait()  # type: ignore[union-attr]
                 await fetcher.writer_backlog_below(3)
             with trio.move_on_after(0.3) as waited:
                 await fetcher.writer_backlog_below(2)
             assert waited.cancelled_caught
+            assert sum(1 for key in keys[16:] if fetcher.flight(key).done.is_set()) == 2  # type: ignore[union-attr]
             await nursery.start(fetcher.run_writer)
             with trio.fail_after(10):
                 await fetcher.writer_backlog_below(1)
@@ -144,23 +167,22 @@ async def test_read_ahead_memory_counts_its_requests_until_queued_and_what_it_ho
     with block_cache(tmp_path, 4 * BLOCKS * BLOCK, BLOCK) as cache:
         fetcher = fetcher_for(url, cache)
         assert fetcher.readahead_memory_bytes() == 0
+        assert WRITE_QUEUE_BYTES == 16 * BLOCK
         async with trio.open_nursery() as nursery:
-            with hub_paused(entry["hub"]):  # no answer can come before the check (a fast one did, under load)
-                for first in range(0, 20, 4):  # the writer stopped: its room (16 blocks) fills, one run waits
-                    nursery.start_soon(fetcher.read_ahead, keys[first : first + 4], first * BLOCK, [BLOCK] * 4)
-                await trio.testing.wait_all_tasks_blocked()
-                assert fetcher.readahead_memory_bytes() == 20 * BLOCK  # asked for
             with trio.fail_after(10):
-                for key in keys[:20]:
-                    await fetcher.flight(key).done.wait()  # type: ignore[union-attr]
-            assert WRITE_QUEUE_BYTES == 16 * BLOCK
-            assert fetcher.readahead_memory_bytes() == 4 * BLOCK  # the run that waits for the writer's room
+                async with trio.open_nursery() as runs:  # ends when each run has its last block queued
+                    with hub_paused(entry["hub"]):  # no answer can come before the check (a fast one did, under load)
+                        for first in range(0, 16, 4):  # the writer stopped: these fill its room (16 blocks) exactly
+                            runs.start_soon(fetcher.read_ahead, keys[first : first + 4], first * BLOCK, [BLOCK] * 4)
+                        await trio.testing.wait_all_tasks_blocked()
+                        assert fetcher.readahead_memory_bytes() == 16 * BLOCK  # asked for
+            assert fetcher.readahead_memory_bytes() == 0  # queued for the writer, none written yet
+            nursery.start_soon(fetcher.read_ahead, keys[16:20], 16 * BLOCK, [BLOCK] * 4)
+            await handed_over(fetcher, keys[16:20], 1)  # its first block waits for the writer's room
+            assert fetcher.readahead_memory_bytes() == 4 * BLOCK  # the run that waits
             nursery.start_soon(  # a warm-up's run: not read-ahead's memory
                 fetcher.warm, keys[20:24], 20 * BLOCK, [BLOCK] * 4)
-            await trio.testing.wait_all_tasks_blocked()
-            with trio.fail_after(10):
-                for key in keys[20:]:
-                    await fetcher.flight(key).done.wait()  # type: ignore[union-attr]
+            await handed_over(fetcher, keys[20:24], 1)
             assert fetcher.readahead_memory_bytes() == 4 * BLOCK
             await nursery.start(fetcher.run_writer)
             with trio.fail_after(10):
@@ -195,10 +217,7 @@ async def test_read_ahead_waiting_for_the_writer_holds_no_prefetch_slot(
         async with trio.open_nursery() as nursery:
             for first in range(0, 24, 4):  # the writer stopped: its room full, 2 runs waiting
                 nursery.start_soon(fetcher.read_ahead, keys[first : first + 4], first * BLOCK, [BLOCK] * 4)
-            await trio.testing.wait_all_tasks_blocked()  # every run has its flights
-            with trio.fail_after(10):
-                for key in keys:
-                    await fetcher.flight(key).done.wait()  # type: ignore[union-attr]
+            await handed_over(fetcher, keys, 16 + 2)  # the writer's room, and one block of each waiting run
             nursery.start_soon(read_ahead_run)
             await trio.testing.wait_all_tasks_blocked()
             assert not got_slot.is_set() and slots.borrowed_tokens == 0

@@ -21,7 +21,10 @@ A fetched block's bytes go to the held-block store (read/held.py) under
 their caller's owner tag, where readers of its flight find them, and to a
 single cache writer task that commits them in batches (one fsync per
 batch, not per block); a flight stays visible until its block is
-committed, so no reader fetches a block that is on its way to disk.
+committed, so no reader fetches a block that is on its way to disk. A
+prefetch run goes there block by block as its answer arrives, and receives
+its next block only once the writer has room: however much is in flight,
+the bytes fetched and not yet written stay within the write queue's.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -48,7 +52,7 @@ from ..read.claims import ReadAheadClaims
 from ..read.held import HeldBlocks, HoldNote, Owner
 from .byte_budget import ByteBudget
 from .hub import BlockHub
-from .verified import FIRST_BACKOFF_S, VerifiedRequests, passing
+from .verified import FIRST_BACKOFF_S, Deadline, VerifiedRequests, passing
 
 log = logging.getLogger(__name__)
 
@@ -213,9 +217,8 @@ class Fetcher:
         (admission counts their coming read) and held until that read.
         """
         flights = self._new_flights(keys, claim=True)
-        attempt = functools.partial(self._requests.range, keys[0], start, list(lengths))
         with self._readahead_fetching(lengths):
-            return await self._run(list(keys), flights, attempt, _READ_AHEAD) is not None
+            return await self._run_streamed(keys, flights, start, lengths, _READ_AHEAD)
 
     async def plan_prefetch(
         self, keys: Sequence[BlockKey], start: int, lengths: Sequence[int], notes: Sequence[HoldNote]
@@ -223,15 +226,13 @@ class Fetcher:
         """A plan's prefetch of contiguous blocks with one request (as `read_ahead`); each block
         is held for its planned use, which its note in `notes` follows."""
         flights = self._new_flights(keys, claim=False)
-        attempt = functools.partial(self._requests.range, keys[0], start, list(lengths))
-        return await self._run(list(keys), flights, attempt, _Request(Owner.PLAN, tuple(notes))) is not None
+        return await self._run_streamed(keys, flights, start, lengths, _Request(Owner.PLAN, tuple(notes)))
 
     async def warm(self, keys: Sequence[BlockKey], start: int, lengths: Sequence[int]) -> bool:
         """An operator's warm-up of contiguous blocks with one request (as `read_ahead`): cached
         even where the admission policy would prefer what the cache holds, held only until written."""
         flights = self._new_flights(keys, claim=False)
-        attempt = functools.partial(self._requests.range, keys[0], start, list(lengths))
-        return await self._run(list(keys), flights, attempt, _WARM) is not None
+        return await self._run_streamed(keys, flights, start, lengths, _WARM)
 
     async def read_ahead_files(self, keys: Sequence[BlockKey], lengths: Sequence[int]) -> bool:
         """Read-ahead of small files whole (block 0 of each, the whole file), with one batch
@@ -341,6 +342,51 @@ class Fetcher:
             raise
         await self._settle(keys, flights, pieces, request)
         return pieces
+
+    async def _run_streamed(
+        self, keys: Sequence[BlockKey], flights: list[Flight], start: int, lengths: Sequence[int], request: _Request
+    ) -> bool:
+        """Fetch contiguous blocks with one request (retried until `fetch_timeout_s` from now),
+        each block handed over and then queued for the cache writer as soon as it has
+        arrived and been checked; False on failure.
+
+        The next block is received only once the writer has room for this one
+        (back-pressure on the connection): what a run holds in memory is one
+        block and the write queue, however many bytes it has in flight. A
+        retry asks only for the blocks not queued yet.
+        """
+        offsets = list(itertools.accumulate(lengths, initial=start))
+        queued = 0  # blocks queued for the cache writer: a prefix of the run (they arrive in order)
+        deadline = Deadline(trio.current_time() + self._fetch_timeout_s)  # waits for the writer do not count
+
+        async def attempt() -> list[bytearray]:
+            first = queued
+            if first == len(keys):
+                return []
+
+            async def verified(index: int, data: bytearray) -> None:
+                nonlocal queued
+                position = first + index
+                if position < queued:
+                    return  # queued already (a source failed part way and another sends it again)
+                key = keys[position]
+                self._hand_over(key, flights[position], data, request, position)
+                with deadline.paused():
+                    await self._write_room.take(len(data))
+                self._write_send.send_nowait((key, data, request.force_admission))
+                queued = position + 1
+
+            return await self._requests.range(keys[first], offsets[first], list(lengths[first:]), verified)
+
+        try:
+            await self._requests.with_retries(keys[0], attempt, deadline)
+        except HubError as exc:
+            self._fail(list(keys[queued:]), flights[queued:], exc)
+            return False
+        except BaseException:  # cancelled: what is not queued is neither cached nor in flight
+            self._fail(list(keys[queued:]), flights[queued:], FetchAbandoned(f"fetch of {keys[0]} was cancelled"))
+            raise
+        return True
 
     async def _settle(self, keys: list[BlockKey], flights: list[Flight], pieces: list[bytearray], request: _Request) -> None:
         """Hand fetched blocks over (those not handed over already), then to the cache writer,

@@ -13,7 +13,7 @@ import logging
 import re
 import ssl
 import zlib
-from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, NotRequired, TypedDict
 
 import h11
@@ -22,6 +22,7 @@ import trio
 from ..buffers import unfilled_buffer
 from ..config import HubURL
 from ..errors import BatchUnsupported, HubProtocolError, HubStatusError, HubTLSError, HubUnavailable, RemoteFileChanged
+from .hub import PieceSink
 
 log = logging.getLogger(__name__)
 
@@ -68,46 +69,55 @@ class _Connection:
 
     async def read_body_into(
         self,
-        buffers: list[bytearray],
+        lengths: Sequence[int],
         read_timeout_s: float,
-        on_filled: Callable[[int, bytearray], None] | None = None,
-    ) -> int:
-        """Read a Content-Length body straight into `buffers`, in order; returns the bytes read.
+        on_filled: Callable[[int, bytearray], Awaitable[None]] | None = None,
+        keep: bool = True,
+    ) -> tuple[list[bytearray], int]:
+        """Read a Content-Length body straight into one buffer per piece of `lengths`, in order;
+        returns the buffers (none unless `keep`) and the bytes read.
 
         h11 parses the head; the body bypasses it: what h11 already buffered
         is copied out, the rest goes from the socket into the buffers with
         recv_into. This saves three copies per block, the client's main cost.
         Afterwards the connection gets a fresh h11 state for the next request.
-        `on_filled(i, buffer)` is called as soon as buffer i is full (it may raise, which
-        aborts the read).
+        `await on_filled(i, buffer)` runs as soon as buffer i is full, before
+        the next is received (it may raise, which aborts the read); each buffer
+        is allocated only when its turn comes, so a body handed on piece by
+        piece (`keep=False`) holds one piece in memory, not all of them.
         """
         self._body_bypassed = True
         buffered = self._drain_h11_body()
         total = 0
-        for index, buffer in enumerate(buffers):
+        kept: list[bytearray] = []
+        for index, length in enumerate(lengths):
+            buffer = unfilled_buffer(length)  # handed on only once filled
             view = memoryview(buffer)
             filled = 0
-            while buffered and filled < len(buffer):
+            while buffered and filled < length:
                 piece = buffered.pop(0)
-                taken = min(len(piece), len(buffer) - filled)
+                taken = min(len(piece), length - filled)
                 view[filled : filled + taken] = piece[:taken]
                 if taken < len(piece):
                     buffered.insert(0, piece[taken:])
                 filled += taken
-            while filled < len(buffer):
+            while filled < length:
                 with trio.move_on_after(read_timeout_s) as scope:
                     received = await self._receive_into(view[filled:])
                 if scope.cancelled_caught:
                     raise HubUnavailable(f"hub sent nothing for {read_timeout_s:g} s")
                 if received == 0:
-                    return total + filled
+                    return kept, total + filled
                 filled += received
             total += filled
+            del view
+            if keep:
+                kept.append(buffer)
             if on_filled is not None:
-                on_filled(index, buffer)
+                await on_filled(index, buffer)
         if buffered:
             raise HubProtocolError("hub sent more body than its Content-Length")
-        return total
+        return kept, total
 
     async def _receive_into(self, view: memoryview) -> int:
         """recv_into on plain TCP (no copy); TLS streams decrypt into a chunk that is copied."""
@@ -202,7 +212,14 @@ class HubClient:
         return parse_json(bytes(body))
 
     async def get_range(
-        self, file_id: str, version: str, start: int, lengths: Sequence[int], *, sums_block_size: int | None = None
+        self,
+        file_id: str,
+        version: str,
+        start: int,
+        lengths: Sequence[int],
+        *,
+        sums_block_size: int | None = None,
+        on_piece: PieceSink | None = None,
     ) -> tuple[list[bytearray], dict[int, int]]:
         """Bytes from `start` of one file version, as consecutive pieces of `lengths` bytes.
 
@@ -210,7 +227,9 @@ class HubClient:
         buffer per piece (a block, for the cache) avoids copying them apart.
         With `sums_block_size`, the hub also sends the checksums of the blocks
         of that size the range covers whole: returned by block number (empty if
-        the answer had none).
+        the answer had none). With `on_piece`, each piece is awaited into it
+        (with those checksums) as soon as it has arrived, before the next is
+        received, and not returned.
         """
         length = sum(lengths)
         target = f"/v1/files/{file_id}?v={version}"
@@ -224,9 +243,15 @@ class HubClient:
             _check_content_range(response.headers.get(b"content-range", b""), start, length)
             if response.headers.get(b"content-length") != str(length).encode():
                 raise HubProtocolError(f"hub answered {start}+{length} of file {file_id} without a matching Content-Length")
-            pieces = await self._read_pieces(conn, lengths, f"file {file_id} at {start}")
             sums_header = response.headers.get(SUMS_HEADER)
-        sums = _parse_block_sums(sums_header, sums_block_size) if sums_header and sums_block_size else {}
+            sums = _parse_block_sums(sums_header, sums_block_size) if sums_header and sums_block_size else {}
+            if on_piece is None:
+                pieces = await self._read_pieces(conn, lengths, f"file {file_id} at {start}")
+            else:
+                async def arrived(index: int, piece: bytearray) -> None:
+                    await on_piece(index, piece, sums)
+
+                pieces = await self._read_pieces(conn, lengths, f"file {file_id} at {start}", arrived, keep=False)
         return pieces, sums
 
     async def get_batch(
@@ -259,23 +284,26 @@ class HubClient:
             if BATCH_SUMS_HEADER not in response.headers:
                 raise BatchUnsupported(f"a batch answer came without its {BATCH_SUMS_HEADER.decode()} header")
             sums = _parse_batch_sums(response.headers[BATCH_SUMS_HEADER], len(files))
-            return await self._read_pieces(
-                conn, lengths, f"a batch of {len(files)} files", lambda index, piece: on_file(index, piece, sums[index])
-            )
+
+            async def arrived(index: int, piece: bytearray) -> None:
+                on_file(index, piece, sums[index])
+
+            return await self._read_pieces(conn, lengths, f"a batch of {len(files)} files", arrived)
 
     async def _read_pieces(
         self,
         conn: _Connection,
         lengths: Sequence[int],
         what: str,
-        on_piece: Callable[[int, bytearray], None] | None = None,
+        on_piece: Callable[[int, bytearray], Awaitable[None]] | None = None,
+        keep: bool = True,
     ) -> list[bytearray]:
         """The body, received straight into one buffer per piece; exactly sum(lengths) bytes or an error.
 
-        `on_piece(i, piece)` gets each piece as soon as it is complete."""
-        pieces = [unfilled_buffer(piece_length) for piece_length in lengths]  # handed on only once filled
+        `await on_piece(i, piece)` gets each piece as soon as it is complete; without `keep`
+        the pieces are not returned."""
         try:
-            received = await conn.read_body_into(pieces, self._read_timeout_s, on_piece)
+            pieces, received = await conn.read_body_into(lengths, self._read_timeout_s, on_piece, keep)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:  # TLS streams raise trio's
             raise _translate(exc, self.url) from None
         if received != sum(lengths):

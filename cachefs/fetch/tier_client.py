@@ -23,6 +23,7 @@ import xxhash
 from ..config import HubURL
 from ..errors import BatchUnsupported, HubError, HubProtocolError, HubStatusError, HubTLSError, HubUnavailable
 from ..metrics import Stats
+from .hub import PieceSink
 from .hub_client import ClientOptions, HubClient
 
 log = logging.getLogger(__name__)
@@ -121,18 +122,26 @@ class TierClient(HubClient):
         await super().aclose()
 
     async def get_range(
-        self, file_id: str, version: str, start: int, lengths: Sequence[int], *, sums_block_size: int | None = None
+        self,
+        file_id: str,
+        version: str,
+        start: int,
+        lengths: Sequence[int],
+        *,
+        sums_block_size: int | None = None,
+        on_piece: PieceSink | None = None,
     ) -> tuple[list[bytearray], dict[int, int]]:
-        """As HubClient.get_range; a range over several slices is asked of their owners side by side."""
+        """As HubClient.get_range; a range over several slices is asked of their owners side by
+        side (and handed to `on_piece` once all of it has arrived)."""
         parts = split_at_slices(start, lengths, self._slice_bytes)
         if len(parts) == 1:
-            return await self._slice_range(file_id, version, parts[0].start, lengths, sums_block_size)
+            return await self._slice_range(file_id, version, parts[0].start, lengths, sums_block_size, on_piece)
         results: list[tuple[list[bytearray], dict[int, int]]] = [([], {})] * len(parts)
         errors: list[HubError] = []
 
         async def get_part(index: int, part: SlicePart, cancel: trio.CancelScope) -> None:
             try:
-                results[index] = await self._slice_range(file_id, version, part.start, part.lengths, sums_block_size)
+                results[index] = await self._slice_range(file_id, version, part.start, part.lengths, sums_block_size, None)
             except HubError as exc:  # raised below; the other parts are not needed any more
                 errors.append(exc)
                 cancel.cancel()
@@ -149,16 +158,24 @@ class TierClient(HubClient):
                 cut[owner].append(piece)
             sums.update(part_sums)
         # A block larger than a slice came in slices: joined, one copy (only then).
-        return [pieces[0] if len(pieces) == 1 else bytearray().join(pieces) for pieces in cut], sums
+        joined = [pieces[0] if len(pieces) == 1 else bytearray().join(pieces) for pieces in cut]
+        if on_piece is None:
+            return joined, sums
+        for index, piece in enumerate(joined):
+            await on_piece(index, piece, sums)
+        return [], sums
 
     async def _slice_range(
-        self, file_id: str, version: str, start: int, lengths: Sequence[int], sums_block_size: int | None
+        self, file_id: str, version: str, start: int, lengths: Sequence[int], sums_block_size: int | None,
+        on_piece: PieceSink | None,
     ) -> tuple[list[bytearray], dict[int, int]]:
         return await self._routed(
             file_id,
             start,
-            lambda node: node.get_range(file_id, version, start, lengths, sums_block_size=sums_block_size),
-            lambda: HubClient.get_range(self, file_id, version, start, lengths, sums_block_size=sums_block_size),
+            lambda node: node.get_range(file_id, version, start, lengths, sums_block_size=sums_block_size,
+                                        on_piece=on_piece),
+            lambda: HubClient.get_range(self, file_id, version, start, lengths, sums_block_size=sums_block_size,
+                                        on_piece=on_piece),
         )
 
     async def get_checksums(self, file_id: str, version: str, block_size: int, first: int, count: int) -> list[int]:

@@ -12,6 +12,7 @@ import trio
 import xxhash
 
 from cachefs.errors import BatchUnsupported, HubError, HubProtocolError, HubUnavailable
+from cachefs.fetch.hub import PieceSink
 
 FileKey = tuple[str, str]  # (file id, version), hex as on the wire
 
@@ -41,6 +42,9 @@ class FakeHub:
         self.requests: list[HubRequest] = []
         self.bytes_sent = 0
         self.delay_s = 0.0  # before each answer (trio's clock)
+        self.piece_delay_s = 0.0  # before each piece of a ranged answer taken piece by piece
+        self.pieces_sent = 0  # pieces of ranged answers handed to their taker
+        self._breaks: list[int] = []  # the next ranged answers break after this many pieces
         self.silent = False  # take requests, answer none
         self.batches = True
         self._failures: list[Callable[[], HubError]] = []
@@ -52,6 +56,10 @@ class FakeHub:
                   ) -> None:
         """The next `count` data requests fail with `error()`."""
         self._failures += [error] * count
+
+    def break_next_after(self, pieces: int) -> None:
+        """The next ranged answer taken piece by piece sends `pieces` pieces, then the connection breaks."""
+        self._breaks.append(pieces)
 
     def fail_always(self, error: Callable[[], HubError] = lambda: HubUnavailable("fake hub: connection refused")
                     ) -> None:
@@ -74,7 +82,14 @@ class FakeHub:
     # -- BlockHub ------------------------------------------------------------------------
 
     async def get_range(
-        self, file_id: str, version: str, start: int, lengths: Sequence[int], *, sums_block_size: int | None = None
+        self,
+        file_id: str,
+        version: str,
+        start: int,
+        lengths: Sequence[int],
+        *,
+        sums_block_size: int | None = None,
+        on_piece: PieceSink | None = None,
     ) -> tuple[list[bytearray], dict[int, int]]:
         await self._arrive("range", (file_id,), start, tuple(lengths))
         data = self.files[(file_id, version)]
@@ -92,7 +107,17 @@ class FakeHub:
             if start + sum(lengths) == len(data):
                 stop = -(-len(data) // sums_block_size)
             sums = {blockno: checksum(data, blockno, sums_block_size) for blockno in range(first, stop)}
-        return pieces, sums
+        if on_piece is None:
+            return pieces, sums
+        breaks_after = self._breaks.pop(0) if self._breaks else None
+        for index, piece in enumerate(pieces):
+            if index == breaks_after:
+                raise HubUnavailable("fake hub: connection reset part way through an answer")
+            if self.piece_delay_s:
+                await trio.sleep(self.piece_delay_s)
+            self.pieces_sent += 1
+            await on_piece(index, piece, sums)
+        return [], sums
 
     async def get_batch(
         self,

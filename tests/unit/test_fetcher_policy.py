@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 from fakes import FakeHub
-from spoke_parts import BLOCK, running_spoke
+from spoke_parts import BLOCK, budget_of, running_spoke
 
 from cachefs.errors import HubUnavailable, RemoteFileChanged
 from cachefs.fetch.verified import MAX_BACKOFF_S
@@ -138,3 +138,57 @@ async def test_a_demand_miss_is_fetched_before_queued_read_ahead(tmp_path: Path,
         demand = [request.at_s for request in hub.ranges() if request.file_ids != hub.ranges()[0].file_ids]
         assert demand == [started]
         assert len(read_ahead) >= 3 and sum(at_s >= started + hub.delay_s for at_s in read_ahead) >= 2
+
+
+@pytest.mark.trio
+async def test_a_read_ahead_run_hands_each_block_over_as_it_arrives(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    hub = FakeHub()
+    hub.piece_delay_s = 1.0
+    async with running_spoke(tmp_path, FILES, hub=hub, readahead_blocks=0) as spoke:
+        keys = [spoke.key("a.bin", blockno) for blockno in range(4)]
+        started = trio.current_time()
+        spoke.nursery.start_soon(spoke.fetcher.read_ahead, keys, 0, [BLOCK] * 4)
+        await trio.testing.wait_all_tasks_blocked()
+        assert await spoke.read(spoke.open("a.bin"), 0, BLOCK) == spoke.block("a.bin", 0)
+        assert trio.current_time() - started == pytest.approx(1.0)  # not after the run's fourth block
+        await spoke.written()
+        assert spoke.blocks_asked("a.bin") == [0, 1, 2, 3]
+
+
+@pytest.mark.trio
+async def test_a_run_receives_no_further_than_the_cache_writer_has_room(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    hub = FakeHub()
+    budget = budget_of(BLOCK, write_queue_bytes=2 * BLOCK)
+    async with running_spoke(tmp_path, FILES, hub=hub, budget=budget, readahead_blocks=0, writer=False) as spoke:
+        keys = [spoke.key("a.bin", blockno) for blockno in range(8)]
+        spoke.nursery.start_soon(spoke.fetcher.read_ahead, keys, 0, [BLOCK] * 8)
+        await trio.testing.wait_all_tasks_blocked()
+        # Two blocks wait for the writer and a third for its room: the rest stay with the hub.
+        assert hub.pieces_sent == 3
+        await spoke.nursery.start(spoke.fetcher.run_writer)
+        await spoke.written()
+        assert hub.pieces_sent == 8
+        for blockno in range(8):
+            assert await spoke.read(spoke.open("a.bin"), blockno * BLOCK, BLOCK) == spoke.block("a.bin", blockno)
+        assert spoke.blocks_asked("a.bin") == list(range(8))
+
+
+@pytest.mark.trio
+async def test_a_run_broken_part_way_asks_again_only_for_the_blocks_it_has_not_had(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    hub = FakeHub()
+    hub.break_next_after(2)
+    async with running_spoke(tmp_path, FILES, hub=hub, readahead_blocks=0) as spoke:
+        keys = [spoke.key("a.bin", blockno) for blockno in range(4)]
+        assert await spoke.fetcher.read_ahead(keys, 0, [BLOCK] * 4)
+        await spoke.written()
+        assert spoke.blocks_asked("a.bin") == [0, 1, 2, 3, 2, 3]
+        for blockno in range(4):
+            assert await spoke.read(spoke.open("a.bin"), blockno * BLOCK, BLOCK) == spoke.block("a.bin", blockno)
+        assert spoke.blocks_asked("a.bin") == [0, 1, 2, 3, 2, 3]
+        assert spoke.stats.fetch_retries == 1 and spoke.stats.fetched_bytes == 4 * BLOCK
