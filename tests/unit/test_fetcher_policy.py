@@ -13,6 +13,7 @@ from fakes import FakeHub
 from spoke_parts import BLOCK, budget_of, running_spoke
 
 from cachefs.errors import HubUnavailable, RemoteFileChanged
+from cachefs.fetch.fetcher import WRITE_GATHER_S
 from cachefs.fetch.verified import MAX_BACKOFF_S
 
 FETCH_TIMEOUT_S = 10.0
@@ -192,3 +193,21 @@ async def test_a_run_broken_part_way_asks_again_only_for_the_blocks_it_has_not_h
             assert await spoke.read(spoke.open("a.bin"), blockno * BLOCK, BLOCK) == spoke.block("a.bin", blockno)
         assert spoke.blocks_asked("a.bin") == [0, 1, 2, 3, 2, 3]
         assert spoke.stats.fetch_retries == 1 and spoke.stats.fetched_bytes == 4 * BLOCK
+
+
+@pytest.mark.trio
+async def test_blocks_arriving_one_at_a_time_are_committed_together(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    hub = FakeHub()
+    hub.piece_delay_s = WRITE_GATHER_S / 3  # a link slower than the disk: the writer's queue is empty between blocks
+    async with running_spoke(tmp_path, FILES, hub=hub, readahead_blocks=0) as spoke:
+        commits: list[int] = []
+        insert_many = spoke.cache.insert_many
+        spoke.cache.insert_many = lambda blocks, ahead=(): (commits.append(len(blocks)), insert_many(blocks, ahead))[1]
+        keys = [spoke.key("a.bin", blockno) for blockno in range(12)]
+        assert await spoke.fetcher.read_ahead(keys, 0, [BLOCK] * 12)
+        await spoke.written()
+        assert sum(commits) == 12 and max(commits) >= 3 and len(commits) <= 4
+        for blockno in range(12):
+            assert spoke.cache.contains(keys[blockno])
