@@ -40,6 +40,12 @@ LEGEND = (
     "loop's thread; the rest ran on worker threads). * = cut short by its time limit, ! = some reads failed."
 )
 
+PHASE_LEGEND = (
+    "Daemon CPU time per GB in each workload: per GB fetched from the hub in a cold run, per GB read in a warm "
+    "one; in brackets the event loop's thread (the rest ran on worker threads). A figure in brackets with its "
+    "MB moved too few bytes to be judged against the CPU targets."
+)
+
 
 class MalformedResults(ValueError):
     """A results JSON this module cannot render."""
@@ -155,6 +161,9 @@ def render_run(results: dict[str, Any], numbers: str | None = None, plot: str | 
         if plot:
             lines += ["", f"![cold-to-warm loader run]({plot})"]
         lines += ["", report.scenarios_table(results["scenarios"]), "", LEGEND]
+        if any("daemon" in result for scenario in results["scenarios"]
+               for result in scenario.get("results", {}).get("workloads", {}).values()):
+            lines += ["", report.phase_cpu_table(results["scenarios"]), "", PHASE_LEGEND]
         if side_by_side := side_by_side_section(results["scenarios"]):
             lines += ["", side_by_side]
         lines += ["", report.targets_table(results["targets"]), "", report.ceilings_table(results["link_ceilings"])]

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from cachefs.bench import report
 from cachefs.bench.cli import FULL, QUICK, Budget
 from cachefs.bench.workloads import find_dataset, sequential_read, small_read_all
 
@@ -184,13 +185,7 @@ def small_files_read(cold: dict[str, Any] | None) -> int | None:
 
 def bytes_read(results: dict[str, Any]) -> int:
     """Everything the workloads read through the filesystem."""
-    total = 0
-    for name, result in results["workloads"].items():
-        if name == "loader" and "epochs" in result:
-            total += sum(epoch["bytes_read"] for epoch in result["epochs"])
-        elif "bytes_read" in result:
-            total += result["bytes_read"]
-    return total
+    return sum(report.workload_bytes_read(result) for result in results["workloads"].values())
 
 
 # -- one scenario -----------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from .fs.mountpoints import find_mount
 from .fs.operations import CachefsOperations
 from .fs.passthrough import Passthrough
 from .fs.reverify import Reverifier
-from .metrics import Stats, cache_gauges, serve_metrics, training_gauges
+from .metrics import Stats, cache_gauges, process_usage, serve_metrics, training_gauges
 from .namespace.snapshots import Snapshots
 from .namespace.tree import Changes, Namespace
 from .prefetch.readahead import ReadAhead
@@ -224,7 +224,8 @@ async def _serve(
                     lambda generation: planner.cancel_all("the mount moved to a new snapshot", generation),
                 )
 
-            sections = {"training": planner.snapshot, "tenants": lambda: share.snapshot(cache.used_bytes(), cache.pinned_bytes())}
+            sections = {"training": planner.snapshot, "process": process_usage,
+                        "tenants": lambda: share.snapshot(cache.used_bytes(), cache.pinned_bytes())}
             admin = Admin(config, namespace, cache, fetcher, stats, refresh=refresh, sections=sections)
             passthrough = Passthrough(cache, plans, stats, mode=config.passthrough)
             await nursery.start(passthrough.run_verifier)

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import resource
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -48,6 +51,17 @@ STALL_DURATION = Histogram(
     "Time a read waited on the network for one block (its own fetch or one under way); local hits are not observed",
     buckets=_LATENCY_BUCKETS, registry=REGISTRY,
 )
+
+
+def process_usage() -> dict[str, float | int | None]:
+    """The daemon's CPU seconds, its event loop's share (trio runs on the main thread), and its peak RSS.
+
+    `cachefs bench` takes these before and after each workload: CPU per phase, not per mount.
+    """
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    main = threading.main_thread().ident
+    loop_s = time.clock_gettime(time.pthread_getcpuclockid(main)) if main is not None else None
+    return {"cpu_s": usage.ru_utime + usage.ru_stime, "loop_cpu_s": loop_s, "peak_rss_kib": usage.ru_maxrss}
 
 
 @dataclasses.dataclass

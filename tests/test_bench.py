@@ -157,6 +157,12 @@ def test_cli_on_a_spoke_samples_its_counters(spoke: SpokeMount, dataset: Path, t
     assert [epoch["samples"] for epoch in loader["epochs"]] == [samples, samples]
     assert results["stats_after"]["fetched_bytes"] > results["stats_before"]["fetched_bytes"]
     assert any(point["hit_ratio_pct"] is not None for point in loader["timeline"])
+    # Each workload carries what the daemon spent on it: the cold seq1 fetched its files, the walk nothing.
+    assert seq1["daemon"]["fetched_bytes"] >= seq1["bytes_read"] and seq1["daemon"]["cpu_s"] > 0
+    assert 0 < seq1["daemon"]["loop_cpu_s"] <= seq1["daemon"]["cpu_s"]
+    assert results["workloads"]["walk"]["daemon"]["fetched_bytes"] == 0
+    assert sum(result["daemon"]["fetched_bytes"] for result in results["workloads"].values()) == (
+        results["stats_after"]["fetched_bytes"] - results["stats_before"]["fetched_bytes"])
 
 
 # -- the WAN emulator -----------------------------------------------------------------------------
@@ -339,6 +345,28 @@ def test_targets_and_tables() -> None:
     assert "failed: boom" in table and "70 / 70*" not in table
     assert "| 2.5 (loop 1.2) |" in table and "| 9.0 (loop 4.5) |" in table
     assert warm_caps(scenarios[1]["results"]) == ["--small-files", "5"]  # the cold run read only 5
+
+
+def test_cpu_targets_judge_every_phase_on_its_own_basis() -> None:
+    """Cold phases per GB fetched, warm ones per GB read; a phase that moved too little is shown, not judged."""
+    cold = _scenario("cachefs", "capped", "cold", 120, 70, 400, cpu_s_per_gb=9.0)
+    warm = _scenario("cachefs", "capped", "warm", 1900, 0.15, 790, cpu_s_per_gb=9.0)
+    gb = 1_000_000_000
+    cold["results"]["workloads"]["seq1"]["daemon"] = {"cpu_s": 2.5, "loop_cpu_s": 1.5, "fetched_bytes": gb}
+    cold["results"]["workloads"]["small"]["daemon"] = {"cpu_s": 7.0, "loop_cpu_s": 5.0, "fetched_bytes": 2 * gb}
+    cold["results"]["workloads"]["rand4k"]["daemon"] = {"cpu_s": 5.0, "loop_cpu_s": 5.0, "fetched_bytes": gb // 100}
+    warm["results"]["workloads"]["seq1"].update(bytes_read=gb, daemon={"cpu_s": 0.4, "loop_cpu_s": 0.3,
+                                                                          "fetched_bytes": 0})
+    warm["results"]["workloads"]["walk"]["daemon"] = {"cpu_s": 0.2, "loop_cpu_s": 0.2, "fetched_bytes": 0}
+    rows = {row["target"]: row for row in targets.evaluate([cold, warm])}
+    cold_row = rows["daemon CPU per GB fetched <= 3 s in every phase of every cold run"]
+    assert cold_row["met"] is False
+    assert cold_row["measured"] == "3.5 CPU-s per GB (small of cachefs capped cold, 2.5 of it in the event loop; 2 phases)"
+    warm_row = rows["daemon CPU per GB read <= 1 s in every phase of every warm run"]
+    assert warm_row["met"] is True and warm_row["measured"].startswith("0.4 CPU-s per GB (seq1 of cachefs capped warm")
+    table = report.phase_cpu_table([cold, warm])
+    assert "| cachefs capped cold (per GB fetched) | 2.5 (1.5) | – | (500.0 (500.0), 10 MB) |" in table
+    assert "| cachefs capped warm (per GB read) | 0.4 (0.3) |" in table
 
 
 def test_cold_targets_show_what_the_link_itself_carried() -> None:

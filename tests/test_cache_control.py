@@ -6,6 +6,7 @@ import contextlib
 import json
 import mmap
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -143,6 +144,10 @@ def test_stats_show_the_bytes_cached_under_each_top_level_directory(hub, dataset
         shown = run_cachefs("stats", "--json", spoke.mountpoint)
         assert shown.returncode == 0, shown.stderr
         usage = json.loads(shown.stdout)["usage_by_top_level_bytes"]
+        process = json.loads(shown.stdout)["process"]  # the daemon's own CPU time and memory
+        assert 0 < process["loop_cpu_s"] <= process["cpu_s"] and process["peak_rss_kib"] > 10_000
+        text = run_cachefs("stats", spoke.mountpoint).stdout
+        assert re.search(r"daemon +[0-9.]+ CPU-s \([0-9.]+ on the event loop\), peak RSS [0-9.]+ MiB", text), text
     size = {relative: (dataset / relative).stat().st_size for relative in read}
     assert usage == {"shards": size[read[0]], "small": size[read[1]], "a": size[read[2]], ".": size[read[3]]}
 

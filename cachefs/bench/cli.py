@@ -88,6 +88,17 @@ def mount_stats(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def daemon_usage(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What a cachefs daemon spent between two of its stats: CPU seconds (and its event loop's) and
+    bytes fetched from the hub; None for any other filesystem."""
+    if not before or not after or "process" not in before or "process" not in after:
+        return None
+    start, end = before["process"], after["process"]
+    loop_s = end["loop_cpu_s"] - start["loop_cpu_s"] if None not in (start["loop_cpu_s"], end["loop_cpu_s"]) else None
+    return {"cpu_s": end["cpu_s"] - start["cpu_s"], "loop_cpu_s": loop_s,
+            "fetched_bytes": after["fetched_bytes"] - before["fetched_bytes"]}
+
+
 def _selected(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in WORKLOADS]
@@ -167,7 +178,11 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             continue
         log.info("%s: running %s", args.path, name)
         began = time.monotonic()
-        results["workloads"][name] = run_workload(name, dataset, args, budget)
+        before = mount_stats(args.path)
+        result = run_workload(name, dataset, args, budget)
+        if usage := daemon_usage(before, mount_stats(args.path)):
+            result["daemon"] = usage
+        results["workloads"][name] = result
         log.info("%s: %s done in %.1f s", args.path, name, time.monotonic() - began)
     results["stats_after"] = mount_stats(args.path)
     return results

@@ -159,6 +159,56 @@ def _cpu_cell(resources: dict[str, Any]) -> str:
     return cell if loop is None else f"{cell} (loop {_fmt(loop, 1)})"
 
 
+# -- daemon CPU per phase -------------------------------------------------------------------
+
+PHASES = (("seq1", "seq 1T"), ("seq4", "seq 4T"), ("rand4k", "4 KiB"), ("rand16k", "16 KiB"), ("walk", "walk"),
+          ("small", "small files"), ("loader", "loader"))
+MIN_PHASE_BYTES = 100_000_000  # below this a phase's CPU per GB is mostly its fixed costs: shown, not judged
+
+
+def workload_bytes_read(result: dict[str, Any]) -> int:
+    """Bytes one workload read through the filesystem (a loader's: over its epochs)."""
+    if "epochs" in result:
+        return sum(epoch["bytes_read"] for epoch in result["epochs"])
+    return int(result.get("bytes_read", 0))
+
+
+def phase_cpu(result: dict[str, Any] | None, cold: bool) -> tuple[float, float | None, int] | None:
+    """Daemon CPU-s per GB of one workload, its event loop's share, and the bytes it is per: fetched
+    from the hub in a cold run, read in a warm one. None where the daemon's usage was not recorded
+    or the workload moved no bytes on that basis."""
+    usage = (result or {}).get("daemon")
+    if not usage:
+        return None
+    basis = usage["fetched_bytes"] if cold else workload_bytes_read(result or {})
+    if basis <= 0:
+        return None
+    loop = usage["loop_cpu_s"] * 1e9 / basis if usage.get("loop_cpu_s") is not None else None
+    return usage["cpu_s"] * 1e9 / basis, loop, basis
+
+
+def _phase_cell(result: dict[str, Any] | None, cold: bool) -> str:
+    figures = phase_cpu(result, cold)
+    if figures is None:
+        return "–"
+    per_gb, loop, basis = figures
+    cell = _fmt(per_gb, 1) + ("" if loop is None else f" ({_fmt(loop, 1)})")
+    return cell if basis >= MIN_PHASE_BYTES else f"({cell}, {_fmt(basis / 1e6)} MB)"
+
+
+def phase_cpu_table(scenarios: Sequence[dict[str, Any]]) -> str:
+    """Daemon CPU-s per GB in each workload of each cachefs run: per GB fetched cold, per GB read warm."""
+    rows = []
+    for scenario in scenarios:
+        if scenario["system"] != "cachefs" or "results" not in scenario:
+            continue
+        workloads = scenario["results"]["workloads"]
+        cold = scenario["state"] == "cold"
+        rows.append([scenario["name"] + (" (per GB fetched)" if cold else " (per GB read)"),
+                     *(_phase_cell(workloads.get(name), cold) for name, _ in PHASES)])
+    return _table(["daemon CPU-s per GB (event loop's)", *(label for _, label in PHASES)], rows)
+
+
 def scenarios_table(scenarios: Sequence[dict[str, Any]]) -> str:
     return _table(SCENARIO_HEADER, [scenario_row(scenario) for scenario in scenarios])
 

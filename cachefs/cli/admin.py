@@ -233,6 +233,11 @@ def _stats(args: argparse.Namespace) -> int:
         ("evicted blocks", str(stats["evicted_blocks"])),
         ("not admitted", str(stats["rejected_blocks"])),
     ]
+    process = stats.get("process")
+    if process:
+        loop = f" ({process['loop_cpu_s']:.1f} on the event loop)" if process.get("loop_cpu_s") is not None else ""
+        rows.append(("daemon", f"{process['cpu_s']:.1f} CPU-s{loop}, peak RSS "
+                               f"{format_size(process['peak_rss_kib'] * 1024)}"))
     if stats.get("tier_requests"):  # mounted with --tier
         answered, failed = stats["tier_requests"], stats["tier_failovers"]
         rows.append(("tier requests", ", ".join(f"{node} {count}" for node, count in answered.items())))
