@@ -201,6 +201,7 @@ async def _serve(
             await nursery.start(fetcher.run_writer)
             planner = Planner(namespace, cache, fetcher, held, plans, stats, budget=budget, cache_dir=config.cache_dir)
             await nursery.start(planner.run)
+            passthrough = Passthrough(cache, plans, stats, mode=config.passthrough)
             readahead = ReadAhead(
                 namespace,
                 cache,
@@ -211,6 +212,7 @@ async def _serve(
                 readahead_blocks=config.readahead_blocks,
                 sibling_prefetch_files=config.sibling_prefetch_files,
                 nursery=nursery,
+                on_filled=passthrough.filled,
             )
             source = BlockSource(held, cache, fetcher, stats)
             reader = Reader(source, cache.sketch, claims, planner, readahead, stats, block_size=config.block_size_bytes)
@@ -227,7 +229,6 @@ async def _serve(
             sections = {"training": planner.snapshot, "process": process_usage,
                         "tenants": lambda: share.snapshot(cache.used_bytes(), cache.pinned_bytes())}
             admin = Admin(config, namespace, cache, fetcher, stats, refresh=refresh, sections=sections)
-            passthrough = Passthrough(cache, plans, stats, mode=config.passthrough)
             await nursery.start(passthrough.run_verifier)
             if passthrough.enabled:
                 reverifier = Reverifier(cache, passthrough, stats, interval_s=config.reverify_interval_s,

@@ -77,6 +77,26 @@ def test_a_file_read_whole_is_then_read_by_the_kernel_from_the_cache(hub: HubPro
         assert spoke.stats()["fetched_bytes"] == 0
 
 
+def test_a_file_filled_in_the_background_is_verified_while_still_open(hub: HubProcess, dataset: Path,
+                                                                     tmp_path: Path) -> None:
+    """A loader reading a shard at random keeps it open all epoch: once the background fill has
+    brought it whole it is verified then, not at its last release, and its next open is direct."""
+    source = (dataset / SHARD).read_bytes()
+    with mounted_spoke(hub.url, tmp_path, ARGS) as spoke:
+        fd = os.open(spoke.mountpoint / SHARD, os.O_RDONLY)
+        try:
+            for blockno in (40, 3, 27, 12, 33):  # random reads: the file is filled in the background
+                offset = blockno * TEST_BLOCK_SIZE + 5
+                assert os.pread(fd, 100, offset) == source[offset : offset + 100]
+            stats = wait_for_stats(spoke, lambda stats: stats["verified_files"] >= 1)
+            assert stats["fetched_bytes"] >= len(source)
+        finally:
+            os.close(fd)
+        data, moved = _read_through_kernel(spoke, SHARD)
+        assert data == source
+        assert moved == {"reads": 0, "passthrough_opens": 1}
+
+
 def test_passthrough_is_the_default(hub: HubProcess, dataset: Path, tmp_path: Path) -> None:
     source = (dataset / SHARD).read_bytes()
     with mounted_spoke(hub.url, tmp_path, (*SPOKE_ARGS, "--prefetch-siblings", "0")) as spoke:

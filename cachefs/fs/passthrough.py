@@ -162,6 +162,12 @@ class Passthrough:
         elif self.enabled and inode.size > 0:
             self._queue_verification(inode)
 
+    def filled(self, inode: Inode) -> None:
+        """A background fill went through `inode`: verify it now, not at its last release
+        (a loader may keep it open all epoch), so that its next opens are read by the kernel."""
+        if self.enabled and inode.size > 0:
+            self._queue_verification(inode)
+
     def revoke(self, file_id: bytes, version: bytes) -> None:
         """A file version's data file changed on disk after its verification (reverify.py):
         its verified mark is gone, so later opens are served by the daemon; opens of it in

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 
 import trio
 
@@ -28,9 +29,11 @@ RANDOM_READS_REMEMBERED = 4096
 class RandomFills:
     """Counts random reads of large files and fills those read at random often enough."""
 
-    def __init__(self, cache: BlockCache, queue: PrefetchQueue, *, block_size: int, enabled: bool) -> None:
+    def __init__(self, cache: BlockCache, queue: PrefetchQueue, *, block_size: int, enabled: bool,
+                 on_filled: Callable[[Inode], None]) -> None:
         self._cache = cache
         self._queue = queue
+        self._on_filled = on_filled  # told of each file a fill went through: passthrough verifies it
         self._block_size = block_size
         self._enabled = enabled
         # Large files -> random reads seen (until filled), and the files being filled.
@@ -70,6 +73,7 @@ class RandomFills:
                     await self._fill_slots.acquire()
                     runs.start_soon(self._fill_run, handle, run_start)
             remember(self._filled, inode.ino, None, RANDOM_READS_REMEMBERED)
+            self._on_filled(inode)
         finally:
             self._filling.discard(inode.ino)
             self._fill_reserved -= inode.size

@@ -27,6 +27,8 @@ for files a loader's plan covers (training/planner.py knows what comes next).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import trio
 
 from ..cache import BlockCache
@@ -56,11 +58,14 @@ class ReadAhead:
         readahead_blocks: int,
         sibling_prefetch_files: int,
         nursery: trio.Nursery,
+        on_filled: Callable[[Inode], None],
     ) -> None:
+        """`on_filled`: told of each file read at random that a background fill went through."""
         self._plans = plans
         queue = PrefetchQueue(fetcher, stats, block_size=block_size, nursery=nursery)
         self._streams = Streams(namespace, plans, queue, block_size=block_size, readahead_blocks=readahead_blocks)
-        self._fills = RandomFills(cache, queue, block_size=block_size, enabled=readahead_blocks > 0)
+        self._fills = RandomFills(cache, queue, block_size=block_size, enabled=readahead_blocks > 0,
+                                  on_filled=on_filled)
         self._siblings = Siblings(namespace, cache, fetcher, queue, block_size=block_size,
                                   sibling_prefetch_files=sibling_prefetch_files)
 

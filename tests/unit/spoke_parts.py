@@ -91,6 +91,7 @@ class Spoke:
     planner: Planner | None
     block_size: int
     nursery: trio.Nursery
+    filled: list[Inode]  # the files background fills went through, in order
 
     def inode(self, path: str) -> Inode:
         inode = self.namespace.resolve(path)
@@ -164,14 +165,16 @@ async def running_spoke(
                     follower = Planner(namespace, cache, fetcher, held, plans, stats, budget=budget,
                                        cache_dir=directory)
                     await nursery.start(follower.run)
+                filled: list[Inode] = []  # the files background fills went through
                 readahead = ReadAhead(namespace, cache, fetcher, plans if planner else coverage or NoPlans(),
                                       stats, block_size=block_size, readahead_blocks=readahead_blocks,
-                                      sibling_prefetch_files=sibling_prefetch_files, nursery=nursery)
+                                      sibling_prefetch_files=sibling_prefetch_files, nursery=nursery,
+                                      on_filled=filled.append)
                 source = BlockSource(held, cache, fetcher, stats)
                 reader = Reader(source, cache.sketch, claims, follower or NoPlans(), readahead, stats,
                                 block_size=block_size)
                 yield Spoke(hub, files, namespace, cache, held, stats, fetcher, source, reader, follower,
-                            block_size, nursery)
+                            block_size, nursery, filled)
                 nursery.cancel_scope.cancel()
         finally:
             index_db.close()

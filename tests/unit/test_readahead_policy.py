@@ -217,6 +217,7 @@ async def test_a_file_read_at_random_is_filled_whole_when_it_fits_the_free_cache
         await trio.sleep(10)
         await spoke.written()
         assert sorted(set(spoke.blocks_asked("a.bin"))) == list(range(40))
+        assert spoke.filled == [spoke.inode("a.bin")]  # told once, for passthrough to verify it
         before = len(spoke.hub.requests)
         for blockno in (9, 38, 0, 27):
             assert await spoke.read(handle, blockno * BLOCK + 100, 4 * KiB) == spoke.files["a.bin"][
