@@ -171,6 +171,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         "stats_before": mount_stats(args.path),
         "workloads": {},
     }
+    stats = results["stats_before"]  # the counters as the next workload starts: the last one's end
     for name in _selected(args.workloads):
         reason = _can_run(name, dataset)
         if reason:
@@ -178,13 +179,14 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             continue
         log.info("%s: running %s", args.path, name)
         began = time.monotonic()
-        before = mount_stats(args.path)
         result = run_workload(name, dataset, args, budget)
-        if usage := daemon_usage(before, mount_stats(args.path)):
+        after = mount_stats(args.path)
+        if usage := daemon_usage(stats, after):
             result["daemon"] = usage
+        stats = after
         results["workloads"][name] = result
         log.info("%s: %s done in %.1f s", args.path, name, time.monotonic() - began)
-    results["stats_after"] = mount_stats(args.path)
+    results["stats_after"] = stats
     return results
 
 

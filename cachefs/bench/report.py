@@ -177,10 +177,9 @@ def phase_cpu(result: dict[str, Any] | None, cold: bool) -> tuple[float, float |
     """Daemon CPU-s per GB of one workload, its event loop's share, and the bytes it is per: fetched
     from the hub in a cold run, read in a warm one. None where the daemon's usage was not recorded
     or the workload moved no bytes on that basis."""
-    usage = (result or {}).get("daemon")
-    if not usage:
+    if not result or not (usage := result.get("daemon")):
         return None
-    basis = usage["fetched_bytes"] if cold else workload_bytes_read(result or {})
+    basis = usage["fetched_bytes"] if cold else workload_bytes_read(result)
     if basis <= 0:
         return None
     loop = usage["loop_cpu_s"] * 1e9 / basis if usage.get("loop_cpu_s") is not None else None
