@@ -32,18 +32,6 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 # -- /proc ---------------------------------------------------------------------------
 
 
-def drop_page_cache() -> bool:
-    """`sync; echo 3 > /proc/sys/vm/drop_caches` (root only); False if not permitted."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as control:
-            control.write("3\n")
-        return True
-    except OSError as exc:
-        log.warning("cannot drop the page cache: %s", exc)
-        return False
-
-
 def cpu_seconds(pid: int) -> float | None:
     """utime + stime of `pid` (all its threads) from /proc/PID/stat."""
     return _stat_cpu_seconds(Path(f"/proc/{pid}/stat"))

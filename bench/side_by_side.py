@@ -18,9 +18,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from cachefs.bench.workloads import find_dataset, sequential_read
-
-from .processes import drop_page_cache
+from cachefs.bench.workloads import drop_page_cache, find_dataset, sequential_read
 
 log = logging.getLogger(__name__)
 

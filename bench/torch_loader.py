@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from cachefs import plan as cachefs_plan
+from cachefs.bench.workloads import drop_page_cache
 
 from .plan_bench import Mount, start_hub_behind_wan, write_shards
 
@@ -113,12 +114,6 @@ def machine_idle_s() -> float:
     with open("/proc/stat") as stat:
         fields = stat.readline().split()
     return (int(fields[4]) + int(fields[5])) / CLOCK_TICKS
-
-
-def drop_page_cache() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as control:
-        control.write("3\n")
 
 
 # -- the dataset and one epoch ------------------------------------------------------------------

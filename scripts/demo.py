@@ -18,6 +18,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from cachefs.bench.workloads import drop_page_cache
+
 log = logging.getLogger("demo")
 BIN = Path(sys.executable).parent
 MiB = 1 << 20
@@ -77,15 +79,6 @@ def mounted(url: str, mountpoint: Path, cache_dir: Path) -> Iterator[None]:
 
 def run(command: list[object]) -> None:
     subprocess.run([str(part) for part in command], check=True)
-
-
-def drop_page_cache() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def read_and_verify(mountpoint: Path, source: Path) -> tuple[int, float]:

@@ -138,6 +138,20 @@ def test_cli_writes_json_and_a_table(local_dataset: Path, tmp_path: Path, capsys
     assert bench_cli.main([str(local_dataset), "--workloads", "seq1,nope"]) == 2
 
 
+def test_cli_drops_the_page_cache_before_each_workload(local_dataset: Path) -> None:
+    """--drop-caches: a file read just before the run is no longer in the page cache after it."""
+    shard = sorted((local_dataset / "shards").iterdir())[0]
+    shard.read_bytes()
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        assert os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT) == 4096  # cached: read without the disk
+        assert bench_cli.main([str(local_dataset / "small"), "--workloads", "walk", "--drop-caches"]) == 0
+        with pytest.raises(BlockingIOError):
+            os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)
+    finally:
+        os.close(fd)
+
+
 # -- on a real spoke -----------------------------------------------------------------------------
 
 

@@ -23,7 +23,16 @@ from typing import Any
 
 from . import report
 from .loader import LoaderConfig, run_loader
-from .workloads import Dataset, find_dataset, random_pread, sequential_read, small_read_all, tree_walk
+from .workloads import (
+    Dataset,
+    can_drop_page_cache,
+    drop_page_cache,
+    find_dataset,
+    random_pread,
+    sequential_read,
+    small_read_all,
+    tree_walk,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="emulated accelerator time per batch (default: %(default)g)")
     parser.add_argument("--loader-samples", type=int, metavar="N", help="samples per epoch (0: all)")
     parser.add_argument("--loader-epochs", type=int, default=LoaderConfig.epochs, help="epochs (default: 2)")
+    parser.add_argument("--drop-caches", action="store_true",
+                        help="drop the kernel's page cache before each workload (root only): each starts as on a "
+                             "node that has not read the files since boot")
     parser.add_argument("--seed", type=int, default=0, help="seed of offsets and shuffles (default: 0)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     return parser
@@ -177,6 +189,8 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         if reason:
             results["workloads"][name] = {"skipped": reason}
             continue
+        if args.drop_caches:
+            drop_page_cache()
         log.info("%s: running %s", args.path, name)
         began = time.monotonic()
         result = run_workload(name, dataset, args, budget)
@@ -201,6 +215,9 @@ def main(argv: list[str]) -> int:
         _selected(args.workloads)
     except ValueError as exc:
         print(f"cachefs bench: error: {exc}", file=sys.stderr)
+        return 2
+    if args.drop_caches and not can_drop_page_cache():
+        print("cachefs bench: error: --drop-caches needs root (it writes /proc/sys/vm/drop_caches)", file=sys.stderr)
         return 2
     results = run_all(args)
     if args.json:

@@ -180,6 +180,26 @@ def _read_whole_file(path: str, buffer: bytearray, deadline: float) -> tuple[int
                 return total, False
 
 
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def can_drop_page_cache() -> bool:
+    return os.access(DROP_CACHES, os.W_OK)
+
+
+def drop_page_cache() -> bool:
+    """`sync; echo 3 > /proc/sys/vm/drop_caches` (root only), so that the next reads start as on a
+    node that has not read these files since boot; False if not permitted."""
+    os.sync()
+    try:
+        with open(DROP_CACHES, "w") as control:
+            control.write("3\n")
+        return True
+    except OSError as exc:
+        log.warning("cannot drop the page cache: %s", exc)
+        return False
+
+
 def sequential_read(files: Sequence[FileEntry], threads: int, time_limit_s: float,
                     chunk_bytes: int = SEQUENTIAL_READ_BYTES) -> ThroughputResult:
     """Read whole files front to back, `threads` files at a time, until done or `time_limit_s`."""
