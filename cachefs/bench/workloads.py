@@ -187,13 +187,14 @@ def can_drop_page_cache() -> bool:
     return os.access(DROP_CACHES, os.W_OK)
 
 
-def drop_page_cache() -> bool:
+def drop_page_cache(*, names_too: bool = True) -> bool:
     """`sync; echo 3 > /proc/sys/vm/drop_caches` (root only), so that the next reads start as on a
-    node that has not read these files since boot; False if not permitted."""
+    node that has not read these files since boot; without `names_too`, `echo 1`: the file data
+    only, the directory entries and inodes a listing brought in stay. False if not permitted."""
     os.sync()
     try:
         with open(DROP_CACHES, "w") as control:
-            control.write("3\n")
+            control.write("3\n" if names_too else "1\n")
         return True
     except OSError as exc:
         log.warning("cannot drop the page cache: %s", exc)
