@@ -179,9 +179,11 @@ def render_section(key: str, results: dict[str, Any], numbers: str, plot: str | 
     results = validate(results)
     started = datetime.datetime.strptime(results["started"], "%Y%m%d-%H%M%S")
     kind = "Quick run" if "--quick" in shlex.split(results["command"]) else "Full run"
+    # A second run of a day is published under its start time (`publish`): so is its heading.
+    when = f"{started:%Y-%m-%d %H:%M}" if key.endswith(results["started"]) else f"{started:%Y-%m-%d}"
     return "\n".join([
         BEGIN.format(key=key),
-        f"### {kind} of {started:%Y-%m-%d}",
+        f"### {kind} of {when}",
         "",
         "```",
         make_command(results["command"]),

@@ -109,6 +109,7 @@ def test_write_docs_copies_a_run_and_adds_its_section(tmp_path: Path) -> None:
     assert text.startswith(f"# Benchmarks\n\n{GENERATED_HEADING}\n\nhand-written\n\n")
     for path in (first, second):
         assert docs.section_for(path, docs_dir / "performance.md") in text
+    assert "### Quick run of 2026-11-29\n" in text and "### Quick run of 2026-11-29 22:41\n" in text
     assert "](bench/loader-timeline-quick-20261129.png)" in text
     assert "make bench BENCH_ARGS=\"--quick --peer-links capped,uncapped,direct --dataset-dir DATASET_DIR" in text
 
