@@ -19,7 +19,7 @@ import pytest
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE, source_files
 from fault_proxy import running_fault_proxy
-from hub_helpers import running_hub
+from hub_helpers import running_hub, wait_until
 from mount_helpers import (
     SpokeMount,
     cache_data_files,
@@ -255,8 +255,9 @@ def test_full_disk_keeps_serving_and_resumes_caching(hub, dataset: Path, tmp_pat
     cache_dir = small_filesystem / "cache"
     with mounted_spoke(hub.url, tmp_path, PLAIN_ARGS, cache_dir=cache_dir) as spoke:
         read_all(spoke, dataset, ["shards/shard-000.bin", "shards/shard-001.bin"])  # 5 MiB into 1 MiB of disk
-        stats = spoke.stats()
-        assert stats["store_errors"] > 0
+        # Blocks are written after they are served: the writer meets the full disk a moment later.
+        wait_for_stats(spoke, lambda stats: stats["store_errors"] > 0)
+        assert wait_until(lambda: "until space returns" in spoke.log_text(), 5.0)
         assert spoke.log_text().count("until space returns") == 1
         assert run_cachefs("purge", "--all", spoke.mountpoint).returncode == 0
         read_all(spoke, dataset, ["shards/shard-002.bin"])
