@@ -159,14 +159,13 @@ class Passthrough:
         if opens.backing_id:
             self._close_backing(opens.backing_id)
             self._cache.unhold(inode.file_id, inode.version)
-        elif self.enabled and inode.size > 0:
+        else:
             self._queue_verification(inode)
 
     def filled(self, inode: Inode) -> None:
         """A background fill went through `inode`: verify it now, not at its last release
         (a loader may keep it open all epoch), so that its next opens are read by the kernel."""
-        if self.enabled and inode.size > 0:
-            self._queue_verification(inode)
+        self._queue_verification(inode)
 
     def revoke(self, file_id: bytes, version: bytes) -> None:
         """A file version's data file changed on disk after its verification (reverify.py):
@@ -244,6 +243,8 @@ class Passthrough:
     # -- background verification ------------------------------------------------------
 
     def _queue_verification(self, inode: Inode, retry: int = 0) -> None:
+        if not self.enabled or inode.size == 0:  # an empty file has no data file to verify
+            return
         key = (inode.file_id, inode.version)
         if key in self._pending or len(self._pending) >= MAX_PENDING_FILES:
             return
@@ -265,7 +266,7 @@ class Passthrough:
                 marked = await trio.to_thread.run_sync(self._verify, [inode for inode, _retry in batch])
                 self._stats.verified_files += len(marked)
                 for inode, retry in batch:
-                    if (inode.file_id, inode.version) not in marked and retry < VERIFY_RETRIES and self.enabled:
+                    if (inode.file_id, inode.version) not in marked and retry < VERIFY_RETRIES:
                         self._queue_verification(inode, retry + 1)
 
     def _next_batch(self) -> list[tuple[Inode, int]]:
