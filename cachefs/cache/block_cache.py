@@ -11,7 +11,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Callable, Container, Iterator, Sequence
 from pathlib import Path
 
 import lmdb
@@ -189,7 +189,11 @@ class BlockCache:
         return data
 
     def contains(self, key: BlockKey) -> bool:
-        return self.index.get(key) is not None
+        return self.index.present([key])[0]
+
+    def contains_each(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether each block is cached: one index transaction for all of them."""
+        return self.index.present(keys)
 
     # -- inserts, admission, eviction -------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from ..db import IndexDb
 from .keys import BlockKey
@@ -45,6 +45,11 @@ class BlockIndex:
         with self._db.env.begin(db=self._db.blocks) as txn:
             value = txn.get(key.packed())
         return IndexEntry.unpack(value) if value is not None else None
+
+    def present(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether each block is indexed, in one transaction (no entry unpacked)."""
+        with self._db.env.begin(db=self._db.blocks) as txn:
+            return [txn.get(key.packed()) is not None for key in keys]
 
     def add(self, entries: list[tuple[BlockKey, int, bytes]]) -> None:
         """Record blocks (key, length, chunk checksums) whose data is already on disk.

@@ -73,10 +73,13 @@ class Siblings:
         """Run a best-effort page-in in a worker thread, in the background (abandoned at unmount)."""
         self._queue.nursery.start_soon(functools.partial(trio.to_thread.run_sync, page_in, abandon_on_cancel=True))
 
+    def _paged_in_recently(self, inode: Inode, now: float) -> bool:
+        last = self._paged_in.get(inode.ino)
+        return last is not None and now - last < PAGE_IN_INTERVAL_S
+
     def _page_in_due(self, inode: Inode, now: float) -> bool:
         """Whether a file was not paged in for PAGE_IN_INTERVAL_S; if so, it counts as paged in now."""
-        last = self._paged_in.get(inode.ino)
-        if last is not None and now - last < PAGE_IN_INTERVAL_S:
+        if self._paged_in_recently(inode, now):
             return False
         remember(self._paged_in, inode.ino, now, PAGED_IN_REMEMBERED)
         return True
@@ -94,18 +97,23 @@ class Siblings:
         if count == 0 or inode.size > self._block_size or self._siblings_ahead.get(inode.ino, -1) >= 0:
             return
         followers = self._covered(self._namespace.files_after(inode, count))
-        wanted: list[Inode] = []
-        cached: list[Inode] = []
+        now = trio.current_time()
+        small: list[Inode] = []
         for index, sibling in enumerate(followers):
             # Files ahead of it in this walk, less half the walk: >= 0 while a walk would add little.
             ahead = len(followers) - 1 - index - len(followers) // 2
             remember(self._siblings_ahead, sibling.ino, ahead, SIBLINGS_REMEMBERED)
-            if 0 < sibling.size <= self._block_size:
-                head = head_key(sibling)
-                if self._cache.contains(head):
-                    cached.append(sibling)
-                elif not self._queue.asked(head):
-                    wanted.append(sibling)
+            # One paged in by the last walk was cached then: it needs neither a fetch nor a page-in.
+            if 0 < sibling.size <= self._block_size and not self._paged_in_recently(sibling, now):
+                small.append(sibling)
+        heads = [head_key(sibling) for sibling in small]
+        wanted: list[Inode] = []
+        cached: list[Inode] = []
+        for sibling, head, is_cached in zip(small, heads, self._cache.contains_each(heads), strict=True):
+            if is_cached:
+                cached.append(sibling)
+            elif not self._queue.asked(head):
+                wanted.append(sibling)
         self._page_in_small_files(cached)
         batchable: list[Inode] = []
         for sibling in wanted:

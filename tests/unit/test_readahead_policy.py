@@ -174,6 +174,34 @@ async def test_cached_small_files_are_paged_in_on_the_trio_thread_while_that_is_
         assert on_trio_thread == [True, True, False, False, False, False, False] + [True] * 9
 
 
+@pytest.mark.trio
+async def test_a_walk_asks_the_index_only_about_files_not_paged_in_lately(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files a walk paged in within PAGE_IN_INTERVAL_S were cached then: the next walks
+    over them (a reader's walks overlap by half) neither look them up nor page them in."""
+    files = {f"images/{index:03d}.jpg": os.urandom(3 * KiB + index) for index in range(20)}
+    async with running_spoke(tmp_path, files, sibling_prefetch_files=8) as spoke:
+        assert await spoke.read(spoke.open("images/000.jpg"), 0, 64 * KiB) == files["images/000.jpg"]
+        followers = [spoke.key(f"images/{index:03d}.jpg", 0) for index in range(1, 9)]
+        with trio.fail_after(10):
+            while not all(spoke.cache.contains(key) for key in followers):
+                await spoke.written()
+        asked: list[list[Any]] = []
+        paged: list[list[Any]] = []
+        contains_each = spoke.cache.contains_each
+        spoke.cache.contains_each = lambda keys: asked.append(list(keys)) or contains_each(keys)  # type: ignore[method-assign]
+        spoke.cache.page_in_files = lambda batch: paged.append(batch)  # type: ignore[method-assign]
+        walks_before = len(asked)
+        spoke.open("images/000.jpg")  # the opener itself is never a walk's follower: each open walks
+        assert asked[walks_before:] == [followers] and len(paged) == 1 and len(paged[0]) == 8
+        spoke.open("images/000.jpg")
+        assert asked[-1] == [] and len(paged) == 1
+        monkeypatch.setattr(siblings, "PAGE_IN_INTERVAL_S", 0.0)  # the interval is over
+        spoke.open("images/000.jpg")
+        assert asked[-1] == followers and len(paged) == 2
+
+
 class CoversEverything(NoPlans):
     def covers(self, inode: Inode) -> bool:
         return True
