@@ -403,3 +403,34 @@ async def test_a_file_whose_last_block_reaches_the_cache_late_is_verified_once_i
             await trio.sleep(0.02)
         nursery.cancel_scope.cancel()
     assert stats.verified_files == 1
+
+
+class _ActivePlan:
+    def active(self) -> bool:
+        return True
+
+
+@pytest.mark.trio
+async def test_a_release_of_a_file_verified_already_reads_nothing_back(
+        cache: BlockCache, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opens the daemon serves (here: a plan is active) queue their file for verification at
+    release; one verified already is neither read back again nor counted again."""
+    monkeypatch.setattr(passthrough_module, "VERIFY_DELAY_S", 0.01)
+    stats = Stats()
+    passthrough = Passthrough(cache, _ActivePlan(), stats, mode=PassthroughMode.AUTO)
+    passthrough.enabled = True  # verification needs no kernel support
+    inode = Inode(ino=5, kind=KIND_FILE, mode=0o644, mtime_ns=0, size=sum(LENGTHS), parent=1,
+                  file_id=FILE_ID, version=VERSION)
+    _insert_file(cache)
+    checked: list[list[tuple[bytes, bytes, list[int]]]] = []
+    verify_files = cache.verify_files
+    monkeypatch.setattr(cache, "verify_files", lambda files: checked.append(files) or verify_files(files))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(passthrough.run_verifier)
+        for _round in range(2):
+            assert passthrough.open(inode) == 0
+            passthrough.release(inode)
+            await trio.sleep(0.2)  # due, verified (or found verified), and any retry due too
+        nursery.cancel_scope.cancel()
+    assert cache.verified(FILE_ID, VERSION) and stats.verified_files == 1
+    assert checked == [[(FILE_ID, VERSION, LENGTHS)]]
