@@ -4,6 +4,7 @@ and every read with --no-passthrough, through the daemon."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import shutil
@@ -371,9 +372,24 @@ def test_a_file_is_reverified_a_period_after_its_last_verification_even_across_r
     assert [cache.contains(key) for key in keys] == [True, True, False]
 
 
-class _NoPlans:
+@dataclasses.dataclass
+class _Plans:
+    is_active: bool = False
+
     def active(self) -> bool:
-        return False
+        return self.is_active
+
+
+def _verifying_passthrough(cache: BlockCache, monkeypatch: pytest.MonkeyPatch, delay_s: float, *,
+                           plan_active: bool = False) -> tuple[Passthrough, Stats, Inode]:
+    """A Passthrough that verifies after `delay_s` (no kernel support needed), its stats, and the test file's inode."""
+    monkeypatch.setattr(passthrough_module, "VERIFY_DELAY_S", delay_s)
+    stats = Stats()
+    passthrough = Passthrough(cache, _Plans(plan_active), stats, mode=PassthroughMode.AUTO)
+    passthrough.enabled = True
+    inode = Inode(ino=5, kind=KIND_FILE, mode=0o644, mtime_ns=0, size=sum(LENGTHS), parent=1,
+                  file_id=FILE_ID, version=VERSION)
+    return passthrough, stats, inode
 
 
 @pytest.mark.trio
@@ -381,12 +397,7 @@ async def test_a_file_whose_last_block_reaches_the_cache_late_is_verified_once_i
         cache: BlockCache, monkeypatch: pytest.MonkeyPatch) -> None:
     """A loaded machine's cache writer can be seconds behind a file's release: the file found
     incomplete is looked at again (before, it waited for its next open and release)."""
-    monkeypatch.setattr(passthrough_module, "VERIFY_DELAY_S", 0.05)
-    stats = Stats()
-    passthrough = Passthrough(cache, _NoPlans(), stats, mode=PassthroughMode.AUTO)
-    passthrough.enabled = True  # verification needs no kernel support
-    inode = Inode(ino=5, kind=KIND_FILE, mode=0o644, mtime_ns=0, size=sum(LENGTHS), parent=1,
-                  file_id=FILE_ID, version=VERSION)
+    passthrough, stats, inode = _verifying_passthrough(cache, monkeypatch, 0.05)
     keys = [BlockKey(FILE_ID, VERSION, blockno) for blockno in range(len(LENGTHS))]
     blocks = [(key, bytes([key.blockno + 1]) * length, False) for key, length in zip(keys, LENGTHS, strict=True)]
     assert cache.insert_many(blocks[:2]) == 2  # the last block is still on its way
@@ -405,22 +416,12 @@ async def test_a_file_whose_last_block_reaches_the_cache_late_is_verified_once_i
     assert stats.verified_files == 1
 
 
-class _ActivePlan:
-    def active(self) -> bool:
-        return True
-
-
 @pytest.mark.trio
 async def test_a_release_of_a_file_verified_already_reads_nothing_back(
         cache: BlockCache, monkeypatch: pytest.MonkeyPatch) -> None:
     """Opens the daemon serves (here: a plan is active) queue their file for verification at
     release; one verified already is neither read back again nor counted again."""
-    monkeypatch.setattr(passthrough_module, "VERIFY_DELAY_S", 0.01)
-    stats = Stats()
-    passthrough = Passthrough(cache, _ActivePlan(), stats, mode=PassthroughMode.AUTO)
-    passthrough.enabled = True  # verification needs no kernel support
-    inode = Inode(ino=5, kind=KIND_FILE, mode=0o644, mtime_ns=0, size=sum(LENGTHS), parent=1,
-                  file_id=FILE_ID, version=VERSION)
+    passthrough, stats, inode = _verifying_passthrough(cache, monkeypatch, 0.01, plan_active=True)
     _insert_file(cache)
     checked: list[list[tuple[bytes, bytes, list[int]]]] = []
     verify_files = cache.verify_files
