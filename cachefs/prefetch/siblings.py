@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 from collections.abc import Callable, Iterator
 
 import trio
@@ -43,6 +44,11 @@ PAGED_IN_REMEMBERED = 4096
 # longer (a seek per inode) moves them to a worker thread, so that a walk's
 # batch does not hold up other requests.
 INLINE_PAGE_IN_S_PER_FILE = 0.0002
+# A walk that starts inside the last one (a reader's walks overlap by half)
+# goes on from its followers instead of reading them from the namespace again,
+# while that walk is this recent: a refresh may have replaced them since, which
+# costs at most a wasted prefetch (reads use the inode of their own open).
+WALK_REUSE_S = 2.0
 
 
 class Siblings:
@@ -62,6 +68,10 @@ class Siblings:
         # ino -> when a large file's index entries or a small file's data were last paged in
         self._paged_in: collections.OrderedDict[int, float] = collections.OrderedDict()
         self._page_ins = SmallDiskReads(INLINE_PAGE_IN_S_PER_FILE)
+        # The last walk's followers (before the byte limit), their positions by ino, and when it ran.
+        self._last_walk: list[Inode] = []
+        self._last_walk_positions: dict[int, int] = {}
+        self._last_walk_at = -math.inf
 
     def page_in_index(self, inode: Inode) -> None:
         """On open of a large file, bring its index entries into memory in a worker thread."""
@@ -96,8 +106,8 @@ class Siblings:
         count = self._sibling_prefetch_files
         if count == 0 or inode.size > self._block_size or self._siblings_ahead.get(inode.ino, -1) >= 0:
             return
-        followers = self._covered(self._namespace.files_after(inode, count))
         now = trio.current_time()
+        followers = self._covered(self._walk(inode, count, now))
         small: list[Inode] = []
         for index, sibling in enumerate(followers):
             # Files ahead of it in this walk, less half the walk: >= 0 while a walk would add little.
@@ -123,6 +133,22 @@ class Siblings:
                 self._queue.start_run(OpenFile(sibling), 0, 1)
         for batch in self._batches(batchable):
             self._queue.start_files(batch)
+
+    def _walk(self, inode: Inode, count: int, now: float) -> list[Inode]:
+        """Up to `count` files after `inode` in tree order: the rest of the last walk if it
+        ran within WALK_REUSE_S and `inode` is in it, then what the namespace has after them."""
+        position = self._last_walk_positions.get(inode.ino)
+        reused = self._last_walk[position + 1 :] if position is not None and now - self._last_walk_at < WALK_REUSE_S else []
+        if not reused:
+            followers = self._namespace.files_after(inode, count)
+        elif len(reused) < count:
+            followers = reused + self._namespace.files_after(reused[-1], count - len(reused))
+        else:
+            followers = reused[:count]
+        self._last_walk = followers
+        self._last_walk_positions = {follower.ino: index for index, follower in enumerate(followers)}
+        self._last_walk_at = now
+        return followers
 
     def _page_in_small_files(self, files: list[Inode]) -> None:
         """Start reading cached small files into the page cache: a walk's reads then find

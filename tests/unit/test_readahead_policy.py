@@ -202,6 +202,36 @@ async def test_a_walk_asks_the_index_only_about_files_not_paged_in_lately(
         assert asked[-1] == followers and len(paged) == 2
 
 
+@pytest.mark.trio
+async def test_a_walk_inside_the_last_one_reads_only_the_files_after_it_from_the_namespace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader's walks overlap by half: the next one goes on from the last one's
+    followers, unless that walk is older than WALK_REUSE_S."""
+    files = {f"images/{index:03d}.jpg": os.urandom(3 * KiB + index) for index in range(30)}
+    async with running_spoke(tmp_path, files, sibling_prefetch_files=8) as spoke:
+        read: list[tuple[str, int, list[str]]] = []
+        files_after = spoke.namespace.files_after
+        names = {spoke.inode(path).ino: path for path in files}
+
+        def spied(inode: Inode, count: int) -> list[Inode]:
+            found = files_after(inode, count)
+            read.append((names[inode.ino], count, [names[follower.ino] for follower in found]))
+            return found
+
+        monkeypatch.setattr(spoke.namespace, "files_after", spied)
+        spoke.open("images/000.jpg")  # walks 001-008
+        spoke.open("images/005.jpg")  # past the middle of that walk: walks 006-013
+        assert read == [("images/000.jpg", 8, [f"images/{index:03d}.jpg" for index in range(1, 9)]),
+                        ("images/008.jpg", 5, [f"images/{index:03d}.jpg" for index in range(9, 14)])]
+        await trio.sleep(1)
+        batches = [request.file_ids for request in spoke.hub.requests if request.kind == "batch"]
+        assert sorted(len(batch) for batch in batches) == [5, 8]  # 006-008 were asked for already
+        monkeypatch.setattr(siblings, "WALK_REUSE_S", 0.0)  # the last walk is too old now
+        spoke.open("images/010.jpg")
+        assert read[-1] == ("images/010.jpg", 8, [f"images/{index:03d}.jpg" for index in range(11, 19)])
+
+
 class CoversEverything(NoPlans):
     def covers(self, inode: Inode) -> bool:
         return True
