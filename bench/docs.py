@@ -47,6 +47,12 @@ PHASE_LEGEND = (
 )
 
 
+PHASE_RSS_LEGEND = (
+    "The daemon's peak resident memory in each workload: `cachefs bench` resets the daemon's peak (VmHWM) as each "
+    "workload starts. The peak RSS of a run, above, is the highest of them and of the time between."
+)
+
+
 class MalformedResults(ValueError):
     """A results JSON this module cannot render."""
 
@@ -164,6 +170,9 @@ def render_run(results: dict[str, Any], numbers: str | None = None, plot: str | 
         if any("daemon" in result for scenario in results["scenarios"]
                for result in scenario.get("results", {}).get("workloads", {}).values()):
             lines += ["", report.phase_cpu_table(results["scenarios"]), "", PHASE_LEGEND]
+        if any(report.phase_peak_rss_kib(result) for scenario in results["scenarios"]
+               for result in scenario.get("results", {}).get("workloads", {}).values()):
+            lines += ["", report.phase_rss_table(results["scenarios"]), "", PHASE_RSS_LEGEND]
         if side_by_side := side_by_side_section(results["scenarios"]):
             lines += ["", side_by_side]
         lines += ["", report.targets_table(results["targets"]), "", report.ceilings_table(results["link_ceilings"])]

@@ -25,6 +25,7 @@ from typing import Any
 
 from cachefs.bench import report
 from cachefs.bench.cli import FULL, QUICK, Budget
+from cachefs.bench.memory import peak_rss_kib
 from cachefs.bench.workloads import can_drop_page_cache, drop_page_cache, find_dataset, sequential_read, small_read_all
 
 from .processes import (
@@ -33,7 +34,6 @@ from .processes import (
     Server,
     cpu_seconds,
     main_thread_cpu_seconds,
-    peak_rss_kib,
     python_command,
     start_server,
     wan_bytes_from_summary,
@@ -313,7 +313,10 @@ class Bench:
             record["results"] = results
             record["resources"] = {
                 "pid": pid,
-                "peak_rss_kib": peak_rss_kib(pid) if pid else None,
+                # `cachefs bench` resets the daemon's peak as each workload starts (its per-phase
+                # peaks) and keeps the highest reading: the scenario's peak is the larger of the two.
+                "peak_rss_kib": max(filter(None, [peak_rss_kib(pid) if pid else None,
+                                                  results.get("daemon_peak_rss_kib")]), default=None),
                 "cpu_s": cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None,
                 "loop_cpu_s": (loop_cpu_after - loop_cpu_before
                                if loop_cpu_before is not None and loop_cpu_after is not None else None),

@@ -52,17 +52,6 @@ def _stat_cpu_seconds(path: Path) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14 and 15 of stat(5)
 
 
-def peak_rss_kib(pid: int) -> int | None:
-    """VmHWM (peak resident set) of `pid` in KiB."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 def is_mounted(path: Path) -> bool:
     target = os.path.abspath(path)
     with open("/proc/self/mountinfo") as table:

@@ -213,12 +213,16 @@ def _small_read_target(cold: dict[str, Any] | None) -> dict[str, Any]:
 def _rss_target(scenarios: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The highest peak RSS of the daemon over every cachefs scenario of the run."""
     label = f"daemon peak RSS <= {PEAK_RSS_LIMIT_BYTES >> 20} MiB in every run"
-    peaks = [(scenario["resources"]["peak_rss_kib"] * 1024, scenario["name"]) for scenario in scenarios
-             if scenario["system"] == "cachefs" and (scenario.get("resources") or {}).get("peak_rss_kib")]
-    if not peaks:
+    measured = [scenario for scenario in scenarios
+                if scenario["system"] == "cachefs" and (scenario.get("resources") or {}).get("peak_rss_kib")]
+    if not measured:
         return {"target": label, "measured": "not measured", "met": None}
-    peak_bytes, name = max(peaks)
-    return {"target": label, "measured": f"{peak_bytes / 2**20:,.0f} MiB ({name}; {len(peaks)} runs)",
+    top = max(measured, key=lambda scenario: scenario["resources"]["peak_rss_kib"])
+    peak_bytes = top["resources"]["peak_rss_kib"] * 1024
+    workloads = (top.get("results") or {}).get("workloads") or {}
+    phases = [(kib, phase) for key, phase in report.PHASES if (kib := report.phase_peak_rss_kib(workloads.get(key)))]
+    where = f", in {max(phases)[1]}" if phases else ""  # the workload it peaked in (cachefs bench measures each)
+    return {"target": label, "measured": f"{peak_bytes / 2**20:,.0f} MiB ({top['name']}{where}; {len(measured)} runs)",
             "met": peak_bytes <= PEAK_RSS_LIMIT_BYTES}
 
 

@@ -24,6 +24,7 @@ from bench.harness import bytes_read, warm_caps
 from cachefs.bench import cli as bench_cli
 from cachefs.bench import report
 from cachefs.bench.loader import SAMPLE_BYTES, LoaderConfig, run_loader
+from cachefs.bench.memory import PhasePeaks
 from cachefs.bench.workloads import find_dataset, random_pread, sequential_read, small_read_all, tree_walk
 
 KiB = 1024
@@ -177,6 +178,26 @@ def test_cli_on_a_spoke_samples_its_counters(spoke: SpokeMount, dataset: Path, t
     assert results["workloads"]["walk"]["daemon"]["fetched_bytes"] == 0
     assert sum(result["daemon"]["fetched_bytes"] for result in results["workloads"].values()) == (
         results["stats_after"]["fetched_bytes"] - results["stats_before"]["fetched_bytes"])
+    # And its own peak RSS; the run keeps the highest reading.
+    peaks = [result["daemon"]["peak_rss_kib"] for result in results["workloads"].values()]
+    assert min(peaks) > 0 and results["daemon_peak_rss_kib"] >= max(peaks)
+
+
+def test_phase_peaks_are_reset_as_each_workload_starts() -> None:
+    """A process that peaked before a workload started does not carry that peak into the workload's."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys\nheap = b'x' * (64 << 20)\ndel heap\n"
+                              "print('freed', flush=True)\nsys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"freed\n"
+        peaks = PhasePeaks(child.pid)
+        peaks.start()
+        phase = peaks.end()
+        assert phase is not None and phase < 48 << 10  # KiB: the interpreter alone
+        assert peaks.highest is not None and peaks.highest >= 64 << 10
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(10)
 
 
 # -- the WAN emulator -----------------------------------------------------------------------------
@@ -381,6 +402,21 @@ def test_cpu_targets_judge_every_phase_on_its_own_basis() -> None:
     table = report.phase_cpu_table([cold, warm])
     assert "| cachefs capped cold (per GB fetched) | 2.5 (1.5) | – | (500.0 (500.0), 10 MB) |" in table
     assert "| cachefs capped warm (per GB read) | 0.4 (0.3) |" in table
+
+
+def test_the_rss_target_names_the_workload_that_peaked() -> None:
+    cold = _scenario("cachefs", "capped", "cold", 120, 70, 400, peak_rss_kib=150 << 10)
+    warm = _scenario("cachefs", "capped", "warm", 1900, 0.15, 790, peak_rss_kib=60 << 10)
+    cold["results"]["workloads"]["seq1"]["daemon"] = {"cpu_s": 1.0, "loop_cpu_s": 0.5, "fetched_bytes": 1,
+                                                      "peak_rss_kib": 110 << 10}
+    cold["results"]["workloads"]["small"]["daemon"] = {"cpu_s": 1.0, "loop_cpu_s": 0.5, "fetched_bytes": 1,
+                                                       "peak_rss_kib": 150 << 10}
+    rows = {row["target"]: row for row in targets.evaluate([cold, warm])}
+    row = rows["daemon peak RSS <= 128 MiB in every run"]
+    assert row["met"] is False and row["measured"] == "150 MiB (cachefs capped cold, in small files; 2 runs)"
+    table = report.phase_rss_table([cold, warm])
+    assert "| cachefs capped cold | 110 | – | – | – | – | 150 | – |" in table
+    assert "| cachefs capped warm | – | – | – | – | – | – | – |" in table
 
 
 def test_cold_targets_show_what_the_link_itself_carried() -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 from . import report
 from .loader import LoaderConfig, run_loader
+from .memory import PhasePeaks
 from .workloads import (
     Dataset,
     can_drop_page_cache,
@@ -184,6 +185,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         "workloads": {},
     }
     stats = results["stats_before"]  # the counters as the next workload starts: the last one's end
+    peaks = PhasePeaks(stats["pid"]) if stats and stats.get("pid") else None
     for name in _selected(args.workloads):
         reason = _can_run(name, dataset)
         if reason:
@@ -193,14 +195,19 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             drop_page_cache(names_too=False)  # the dataset's listing above stays, as a training job's would
         log.info("%s: running %s", args.path, name)
         began = time.monotonic()
+        if peaks:
+            peaks.start()
         result = run_workload(name, dataset, args, budget)
         after = mount_stats(args.path)
         if usage := daemon_usage(stats, after):
             result["daemon"] = usage
+            if peaks:
+                usage["peak_rss_kib"] = peaks.end()
         stats = after
         results["workloads"][name] = result
         log.info("%s: %s done in %.1f s", args.path, name, time.monotonic() - began)
     results["stats_after"] = stats
+    results["daemon_peak_rss_kib"] = peaks.highest if peaks else None
     return results
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 MiB = 1024 * 1024
@@ -195,17 +195,34 @@ def _phase_cell(result: dict[str, Any] | None, cold: bool) -> str:
     return cell if basis >= MIN_PHASE_BYTES else f"({cell}, {_fmt(basis / 1e6)} MB)"
 
 
+def _cachefs_runs(scenarios: Sequence[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """(scenario, its workloads' results) of each cachefs run that has results."""
+    for scenario in scenarios:
+        if scenario["system"] == "cachefs" and "results" in scenario:
+            yield scenario, scenario["results"]["workloads"]
+
+
 def phase_cpu_table(scenarios: Sequence[dict[str, Any]]) -> str:
     """Daemon CPU-s per GB in each workload of each cachefs run: per GB fetched cold, per GB read warm."""
     rows = []
-    for scenario in scenarios:
-        if scenario["system"] != "cachefs" or "results" not in scenario:
-            continue
-        workloads = scenario["results"]["workloads"]
+    for scenario, workloads in _cachefs_runs(scenarios):
         cold = scenario["state"] == "cold"
         rows.append([scenario["name"] + (" (per GB fetched)" if cold else " (per GB read)"),
                      *(_phase_cell(workloads.get(name), cold) for name, _ in PHASES)])
     return _table(["daemon CPU-s per GB (event loop's)", *(label for _, label in PHASES)], rows)
+
+
+def phase_peak_rss_kib(result: dict[str, Any] | None) -> int | None:
+    """The daemon's peak RSS in one workload (cachefs bench resets it as each starts), in KiB."""
+    return ((result or {}).get("daemon") or {}).get("peak_rss_kib")
+
+
+def phase_rss_table(scenarios: Sequence[dict[str, Any]]) -> str:
+    """The daemon's peak RSS in MiB in each workload of each cachefs run."""
+    rows = [[scenario["name"], *(_fmt(kib / 1024) if (kib := phase_peak_rss_kib(workloads.get(name))) else "–"
+                                 for name, _ in PHASES)]
+            for scenario, workloads in _cachefs_runs(scenarios)]
+    return _table(["daemon peak RSS MiB", *(label for _, label in PHASES)], rows)
 
 
 def scenarios_table(scenarios: Sequence[dict[str, Any]]) -> str:

@@ -1,0 +1,47 @@
+"""A cachefs daemon's peak resident memory, over a run and per workload, from /proc."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def peak_rss_kib(pid: int) -> int | None:
+    """VmHWM (peak resident set) of `pid` in KiB; None if it cannot be read."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+class PhasePeaks:
+    """The peak RSS of a daemon in each workload: its VmHWM is reset to its current RSS
+    (`clear_refs` 5) as a workload starts and read as it ends. Every reading also goes into
+    `highest`, so the peak of the whole run is still known after the resets.
+
+    Resetting needs the right to write /proc/PID/clear_refs (root, or the daemon's user);
+    without it a workload's peak is None, not the run's so far."""
+
+    def __init__(self, pid: int) -> None:
+        self._pid = pid
+        self._resettable = True
+        self.highest = peak_rss_kib(pid)
+
+    def start(self) -> None:
+        self._note(peak_rss_kib(self._pid))
+        try:
+            Path(f"/proc/{self._pid}/clear_refs").write_text("5")
+        except OSError:
+            self._resettable = False
+
+    def end(self) -> int | None:
+        """The peak since `start`, in KiB."""
+        peak = peak_rss_kib(self._pid)
+        self._note(peak)
+        return peak if self._resettable else None
+
+    def _note(self, peak: int | None) -> None:
+        if peak is not None and (self.highest is None or peak > self.highest):
+            self.highest = peak
