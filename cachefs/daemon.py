@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 
 Notify = Callable[[str], None]
 POLICY_SAVE_INTERVAL_S = 60.0
+# Seconds without a fetch or a read after which the heap's free pages go back to the system.
+IDLE_TRIM_S = 1.0
 # A lock held by another tenant's liveness probe is free again within microseconds,
 # one held while another tenant reclaims this one's blocks within a second or so;
 # one held by a daemon is not within these 3 s.
@@ -92,6 +94,13 @@ class CacheDirLock:
         os.close(self._fd)
 
 
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
 def tune_malloc() -> None:
     """Keep 1 MiB block buffers on the heap instead of fresh mmaps, in one arena.
 
@@ -102,9 +111,8 @@ def tune_malloc() -> None:
     heap goes back to the system above 4 MiB. docs/performance.md has what
     each of the three saves.
     """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+    libc = _glibc()
+    if libc is None:
         return
     m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
     libc.mallopt(m_mmap_threshold, 64 * 1024 * 1024)
@@ -259,6 +267,8 @@ async def _serve(
             mounted = True
             nursery.start_soon(_terminate_on_signal)
             nursery.start_soon(_save_policy_periodically, cache)
+            if (libc := _glibc()) is not None:
+                nursery.start_soon(trim_when_idle, stats, lambda: libc.malloc_trim(0))
             nursery.start_soon(_keep_to_share, cache, share)
             if config.refresh_interval_s:
                 nursery.start_soon(snapshots.poll, config.refresh_interval_s, refresh)  # cancels plans too
@@ -373,6 +383,24 @@ async def _save_policy_periodically(cache: BlockCache) -> None:
     while True:
         await trio.sleep(POLICY_SAVE_INTERVAL_S)
         await trio.to_thread.run_sync(cache.save_policy)
+
+
+async def trim_when_idle(stats: Stats, trim: Callable[[], object]) -> None:
+    """Give the heap's free pages back to the system (`trim`, in a worker thread) once
+    the daemon has fetched and served nothing for IDLE_TRIM_S, once per idle stretch:
+    glibc returns only the top of the heap by itself, so after a burst of block
+    buffers an idle daemon stayed at its peak. Never while busy: pages given back
+    then would be faulted in again at once."""
+    last: tuple[int, int] | None = None
+    trimmed = True
+    while True:
+        await trio.sleep(IDLE_TRIM_S)
+        moved = (stats.fetched_bytes, stats.read_bytes)
+        if moved != last:
+            last, trimmed = moved, False
+        elif not trimmed:
+            await trio.to_thread.run_sync(trim)
+            trimmed = True
 
 
 async def _terminate_on_signal() -> None:
