@@ -267,8 +267,8 @@ async def _serve(
             mounted = True
             nursery.start_soon(_terminate_on_signal)
             nursery.start_soon(_save_policy_periodically, cache)
-            if (libc := _glibc()) is not None:
-                nursery.start_soon(trim_when_idle, stats, lambda: libc.malloc_trim(0))
+            if (libc := _glibc()) is not None:  # malloc_trim walks the heap: a worker thread's job
+                nursery.start_soon(trim_when_idle, stats, lambda: trio.to_thread.run_sync(libc.malloc_trim, 0))
             nursery.start_soon(_keep_to_share, cache, share)
             if config.refresh_interval_s:
                 nursery.start_soon(snapshots.poll, config.refresh_interval_s, refresh)  # cancels plans too
@@ -385,9 +385,9 @@ async def _save_policy_periodically(cache: BlockCache) -> None:
         await trio.to_thread.run_sync(cache.save_policy)
 
 
-async def trim_when_idle(stats: Stats, trim: Callable[[], object]) -> None:
-    """Give the heap's free pages back to the system (`trim`, in a worker thread) once
-    the daemon has fetched and served nothing for IDLE_TRIM_S, once per idle stretch:
+async def trim_when_idle(stats: Stats, trim: Callable[[], Awaitable[object]]) -> None:
+    """Give the heap's free pages back to the system (`await trim()`) once the daemon
+    has fetched and served nothing for IDLE_TRIM_S, once per idle stretch:
     glibc returns only the top of the heap by itself, so after a burst of block
     buffers an idle daemon stayed at its peak. Never while busy: pages given back
     then would be faulted in again at once."""
@@ -399,7 +399,7 @@ async def trim_when_idle(stats: Stats, trim: Callable[[], object]) -> None:
         if moved != last:
             last, trimmed = moved, False
         elif not trimmed:
-            await trio.to_thread.run_sync(trim)
+            await trim()
             trimmed = True
 
 

@@ -66,8 +66,12 @@ def test_an_idle_daemon_gives_back_the_heap_of_a_cold_read(tmp_path: Path) -> No
 async def test_the_heap_is_trimmed_once_per_idle_stretch_and_never_while_busy(autojump_clock: trio.abc.Clock) -> None:
     stats = Stats()
     trims: list[None] = []
+
+    async def trim() -> None:
+        trims.append(None)
+
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(trim_when_idle, stats, lambda: trims.append(None))
+        nursery.start_soon(trim_when_idle, stats, trim)
         for _ in range(10):  # busy: bytes served every half interval
             stats.read_bytes += 1
             await trio.sleep(IDLE_TRIM_S / 2)
