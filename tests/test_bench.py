@@ -183,6 +183,11 @@ def test_cli_on_a_spoke_samples_its_counters(spoke: SpokeMount, dataset: Path, t
     assert min(peaks) > 0 and results["daemon_peak_rss_kib"] >= max(peaks)
 
 
+def test_phase_peaks_are_taken_only_of_a_cachefs_daemon() -> None:
+    assert PhasePeaks.of_mount({"pid": os.getpid()}) is None  # this test: not a mount
+    assert PhasePeaks.of_mount({"pid": 1 << 30}) is None and PhasePeaks.of_mount(None) is None
+
+
 def test_phase_peaks_are_reset_as_each_workload_starts() -> None:
     """A process that peaked before a workload started does not carry that peak into the workload's."""
     child = subprocess.Popen([sys.executable, "-c", "import sys\nheap = b'x' * (64 << 20)\ndel heap\n"

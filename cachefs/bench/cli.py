@@ -185,7 +185,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         "workloads": {},
     }
     stats = results["stats_before"]  # the counters as the next workload starts: the last one's end
-    peaks = PhasePeaks(stats["pid"]) if stats and stats.get("pid") else None
+    peaks = PhasePeaks.of_mount(stats)
     for name in _selected(args.workloads):
         reason = _can_run(name, dataset)
         if reason:

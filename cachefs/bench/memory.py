@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 
 def peak_rss_kib(pid: int) -> int | None:
@@ -14,6 +16,15 @@ def peak_rss_kib(pid: int) -> int | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+def _is_cachefs_mount(pid: int) -> bool:
+    """Whether `pid` runs `cachefs mount` (`python -m cachefs mount ...` or the `cachefs` script)."""
+    try:
+        argv = [os.fsdecode(arg) for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+    except OSError:
+        return False
+    return "mount" in argv and any(arg == "cachefs" or arg.endswith("/cachefs") for arg in argv)
 
 
 class PhasePeaks:
@@ -28,6 +39,15 @@ class PhasePeaks:
         self._pid = pid
         self._resettable = True
         self.highest = peak_rss_kib(pid)
+
+    @classmethod
+    def of_mount(cls, stats: dict[str, Any] | None) -> PhasePeaks | None:
+        """For the daemon whose counters these are, if its pid here is a cachefs daemon
+        (a mount's pid from another pid namespace would name some other process)."""
+        pid = (stats or {}).get("pid")
+        if not isinstance(pid, int) or not _is_cachefs_mount(pid):
+            return None
+        return cls(pid)
 
     def start(self) -> None:
         self._note(peak_rss_kib(self._pid))
