@@ -14,6 +14,7 @@ import trio
 from hub_helpers import running_hub
 from mount_helpers import mounted_spoke
 
+from cachefs.bench.memory import status_kib
 from cachefs.daemon import IDLE_TRIM_S, trim_when_idle
 from cachefs.metrics import Stats
 
@@ -23,10 +24,9 @@ READERS = 4
 
 
 def _rss_anon_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no RssAnon in /proc/{pid}/status")
+    kib = status_kib(pid, "RssAnon")
+    assert kib is not None, f"no RssAnon in /proc/{pid}/status"
+    return kib
 
 
 def _digest_of_range(path: Path, start: int, length: int) -> str:

@@ -11,6 +11,8 @@ from conftest import SPOKE_ARGS
 from hub_helpers import free_port, hub_env
 from mount_helpers import metrics_text, mounted_spoke, parse_metrics, read_uncached, spoke_metrics, wait_for_stats
 
+from cachefs.bench.memory import status_kib
+
 
 def test_metrics_match_what_was_read(hub, dataset: Path, tmp_path: Path) -> None:
     port = free_port()
@@ -62,8 +64,9 @@ def test_failures_are_counted_by_kind_and_operation(dataset: Path, tmp_path: Pat
 
 
 def resident_bytes(pid: int) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
+    kib = status_kib(pid, "VmRSS")
+    assert kib is not None, f"no VmRSS in /proc/{pid}/status"
+    return kib * 1024
 
 
 def test_hub_and_spoke_export_process_metrics_and_no_created_series(hub, dataset: Path, tmp_path: Path) -> None:

@@ -7,15 +7,20 @@ from pathlib import Path
 from typing import Any
 
 
-def peak_rss_kib(pid: int) -> int | None:
-    """VmHWM (peak resident set) of `pid` in KiB; None if it cannot be read."""
+def status_kib(pid: int, field: str) -> int | None:
+    """A KiB field of /proc/PID/status (VmHWM, VmRSS, RssAnon, ...); None if it cannot be read."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1])
     except (OSError, ValueError):
         return None
     return None
+
+
+def peak_rss_kib(pid: int) -> int | None:
+    """VmHWM (peak resident set) of `pid` in KiB; None if it cannot be read."""
+    return status_kib(pid, "VmHWM")
 
 
 def _is_cachefs_mount(pid: int) -> bool:
