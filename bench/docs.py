@@ -167,11 +167,11 @@ def render_run(results: dict[str, Any], numbers: str | None = None, plot: str | 
         if plot:
             lines += ["", f"![cold-to-warm loader run]({plot})"]
         lines += ["", report.scenarios_table(results["scenarios"]), "", LEGEND]
-        if any("daemon" in result for scenario in results["scenarios"]
-               for result in scenario.get("results", {}).get("workloads", {}).values()):
+        phases = [result for scenario in results["scenarios"]
+                  for result in scenario.get("results", {}).get("workloads", {}).values()]
+        if any("daemon" in result for result in phases):
             lines += ["", report.phase_cpu_table(results["scenarios"]), "", PHASE_LEGEND]
-        if any(report.phase_peak_rss_kib(result) for scenario in results["scenarios"]
-               for result in scenario.get("results", {}).get("workloads", {}).values()):
+        if any(report.phase_peak_rss_kib(result) for result in phases):
             lines += ["", report.phase_rss_table(results["scenarios"]), "", PHASE_RSS_LEGEND]
         if side_by_side := side_by_side_section(results["scenarios"]):
             lines += ["", side_by_side]
