@@ -68,9 +68,8 @@ class Siblings:
         # ino -> when a large file's index entries or a small file's data were last paged in
         self._paged_in: collections.OrderedDict[int, float] = collections.OrderedDict()
         self._page_ins = SmallDiskReads(INLINE_PAGE_IN_S_PER_FILE)
-        # The last walk's followers (before the byte limit), their positions by ino, and when it ran.
+        # The last walk's followers (before the byte limit) and when it ran.
         self._last_walk: list[Inode] = []
-        self._last_walk_positions: dict[int, int] = {}
         self._last_walk_at = -math.inf
 
     def page_in_index(self, inode: Inode) -> None:
@@ -137,8 +136,9 @@ class Siblings:
     def _walk(self, inode: Inode, count: int, now: float) -> list[Inode]:
         """Up to `count` files after `inode` in tree order: the rest of the last walk if it
         ran within WALK_REUSE_S and `inode` is in it, then what the namespace has after them."""
-        position = self._last_walk_positions.get(inode.ino)
-        reused = self._last_walk[position + 1 :] if position is not None and now - self._last_walk_at < WALK_REUSE_S else []
+        recent = self._last_walk if now - self._last_walk_at < WALK_REUSE_S else []
+        position = next((index for index, follower in enumerate(recent) if follower.ino == inode.ino), None)
+        reused = recent[position + 1 :] if position is not None else []
         if not reused:
             followers = self._namespace.files_after(inode, count)
         elif len(reused) < count:
@@ -146,7 +146,6 @@ class Siblings:
         else:
             followers = reused[:count]
         self._last_walk = followers
-        self._last_walk_positions = {follower.ino: index for index, follower in enumerate(followers)}
         self._last_walk_at = now
         return followers
 
