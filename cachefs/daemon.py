@@ -262,7 +262,7 @@ async def _serve(
             control = ControlServer(admin.handlers(), {"plan": planner.handle_plan})
             await nursery.start(control.serve, config.cache_dir / SOCKET_NAME)
             if config.metrics_listen is not None:
-                _serve_metrics(config, stats, cache, fetcher, planner, share)
+                _serve_metrics(config, stats, cache, fetcher, held, planner, share)
             _init_fuse(operations, config)
             mounted = True
             nursery.start_soon(_terminate_on_signal)
@@ -336,7 +336,8 @@ def _ssl_context(config: MountConfig) -> ssl.SSLContext | None:
 
 
 def _serve_metrics(
-    config: MountConfig, stats: Stats, cache: BlockCache, fetcher: Fetcher, planner: Planner, share: TenantShare
+    config: MountConfig, stats: Stats, cache: BlockCache, fetcher: Fetcher, held: HeldBlocks, planner: Planner,
+    share: TenantShare,
 ) -> None:
     assert config.metrics_listen is not None
     try:
@@ -344,9 +345,11 @@ def _serve_metrics(
             **cache_gauges(
                 used_bytes=cache.used_bytes(), capacity_bytes=cache.capacity_bytes, pinned_bytes=cache.pinned_bytes(),
                 blocks=cache.block_count(), fetches_in_flight=fetcher.requests_in_flight,
+                write_backlog=fetcher.write_backlog(),
             ),
             **training_gauges(planner.snapshot(judge=False)),
-        }, tenants=lambda: share.snapshot(cache.used_bytes(), cache.pinned_bytes())["tenants"])
+        }, tenants=lambda: share.snapshot(cache.used_bytes(), cache.pinned_bytes())["tenants"],
+            held=held.bytes_by_owner)
     except OSError as exc:
         host, port = config.metrics_listen
         raise UsageError(f"cannot serve metrics on {host}:{port}: {exc.strerror}") from None

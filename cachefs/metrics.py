@@ -151,6 +151,8 @@ _GAUGES = {  # name -> help
     "cachefs_cache_pinned_bytes": "Bytes of pinned blocks, which are never evicted",
     "cachefs_cache_blocks": "Blocks in the cache",
     "cachefs_fetches_in_flight": "Requests to the hub under way",
+    "cachefs_write_queue_bytes": "Fetched bytes queued for the cache writer or being written",
+    "cachefs_write_waiting_fetches": "Fetches holding fetched bytes while they wait for the cache writer's room",
     "cachefs_plans_active": "Loader plans being followed",
     "cachefs_plan_lookahead_blocks": "Blocks fetched ahead of the readers along the plans",
     "cachefs_time_to_warm_seconds": "Time from the first read until the hit ratio stayed at 95 % or more (-1: not warm yet)",
@@ -162,15 +164,19 @@ _GAUGES = {  # name -> help
 
 
 def cache_gauges(
-    *, used_bytes: int, capacity_bytes: int, pinned_bytes: int, blocks: int, fetches_in_flight: int
+    *, used_bytes: int, capacity_bytes: int, pinned_bytes: int, blocks: int, fetches_in_flight: int,
+    write_backlog: tuple[int, int],
 ) -> dict[str, float]:
-    """Gauges of the block cache and the fetcher."""
+    """Gauges of the block cache and the fetcher (`write_backlog`: Fetcher.write_backlog)."""
+    queued_bytes, waiting_fetches = write_backlog
     return {
         "cachefs_cache_used_bytes": used_bytes,
         "cachefs_cache_capacity_bytes": capacity_bytes,
         "cachefs_cache_pinned_bytes": pinned_bytes,
         "cachefs_cache_blocks": blocks,
         "cachefs_fetches_in_flight": fetches_in_flight,
+        "cachefs_write_queue_bytes": queued_bytes,
+        "cachefs_write_waiting_fetches": waiting_fetches,
     }
 
 
@@ -211,11 +217,17 @@ class SpokeCollector(Collector):
     """Exposes `Stats` and the cache's gauges at scrape time."""
 
     def __init__(
-        self, stats: Stats, gauges: Callable[[], dict[str, float]], tenants: Callable[[], list[dict[str, Any]]] | None = None
+        self,
+        stats: Stats,
+        gauges: Callable[[], dict[str, float]],
+        tenants: Callable[[], list[dict[str, Any]]] | None = None,
+        held: Callable[[], dict[str, int]] | None = None,
     ) -> None:
+        """`held`: block bytes held in memory per owner (HeldBlocks.bytes_by_owner)."""
         self._stats = stats
         self._gauges = gauges
         self._tenants = tenants
+        self._held = held
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         for field, (name, text) in _COUNTERS.items():
@@ -239,6 +251,12 @@ class SpokeCollector(Collector):
             )
         for name, value in self._gauges().items():
             yield GaugeMetricFamily(name, _GAUGES[name], value=value)
+        if self._held is not None:
+            held = GaugeMetricFamily("cachefs_held_block_bytes", "Block bytes the daemon holds in memory, by owner",
+                                     labels=["owner"])
+            for owner, size in self._held().items():
+                held.add_metric([owner], size)
+            yield held
         if self._tenants is not None:
             yield from _tenant_metrics(self._tenants())
 
@@ -270,7 +288,8 @@ def serve_metrics(
     stats: Stats,
     gauges: Callable[[], dict[str, float]],
     tenants: Callable[[], list[dict[str, Any]]] | None = None,
+    held: Callable[[], dict[str, int]] | None = None,
 ) -> None:
     """Start the /metrics HTTP endpoint (a daemon thread of prometheus-client)."""
-    REGISTRY.register(SpokeCollector(stats, gauges, tenants))
+    REGISTRY.register(SpokeCollector(stats, gauges, tenants, held))
     start_http_server(listen[1], addr=listen[0], registry=REGISTRY)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 from conftest import SPOKE_ARGS
+from dataset import TEST_BLOCK_SIZE
 from hub_helpers import free_port, hub_env
 from mount_helpers import metrics_text, mounted_spoke, parse_metrics, read_uncached, spoke_metrics, wait_for_stats
 
@@ -23,7 +26,7 @@ def test_metrics_match_what_was_read(hub, dataset: Path, tmp_path: Path) -> None
         assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
         # Read-ahead may also have asked for the head of the next shard: all of it written.
         stats = wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == stats["fetched_bytes"] >= size)
-        metrics = spoke_metrics(port)
+        metrics = wait_for_metrics(port, lambda metrics: metrics["cachefs_write_queue_bytes"] == 0)
     assert metrics["cachefs_read_bytes_total"] == 2 * size == stats["read_bytes"]
     assert metrics["cachefs_fetched_bytes_total"] == stats["fetched_bytes"]
     assert metrics["cachefs_block_hits_total"] == stats["block_hits"] > 0
@@ -34,6 +37,22 @@ def test_metrics_match_what_was_read(hub, dataset: Path, tmp_path: Path) -> None
     assert metrics["cachefs_fetch_duration_seconds_count"] == stats["fetches"]
     assert metrics["cachefs_prefetch_used_blocks_total"] <= metrics["cachefs_prefetch_blocks_total"]
     assert not any("path" in name or "shard" in name for name in metrics)  # never a path in a label
+    # Where the daemon's block bytes are: nothing left for the cache writer; the blocks the
+    # readers used last kept in memory (at most --memory-blocks of them), for every owner a value.
+    assert metrics["cachefs_write_waiting_fetches"] == 0
+    held = {owner: metrics[f'cachefs_held_block_bytes{{owner="{owner}"}}'] for owner in ("demand", "read-ahead", "plan", "warm")}
+    assert 0 < held["demand"] <= 8 * TEST_BLOCK_SIZE
+    assert held["plan"] == held["warm"] == 0
+
+
+def wait_for_metrics(port: int, predicate: Any, timeout_s: float = 20.0) -> dict[str, float]:
+    """The spoke's metrics once `predicate(metrics)` holds (the cache writer gives its room
+    back just after the index commit the stats count)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate(metrics := spoke_metrics(port)):
+        assert time.monotonic() < deadline, f"metrics never satisfied the condition: {metrics}"
+        time.sleep(0.05)
+    return metrics
 
 
 def test_failures_are_counted_by_kind_and_operation(dataset: Path, tmp_path: Path) -> None:

@@ -16,6 +16,10 @@ class ByteBudget:
         self.waiting = 0
         self._room = trio.Event()
 
+    @property
+    def taken(self) -> int:
+        return self._taken
+
     async def take(self, size: int) -> None:
         self.waiting += 1
         waited = False

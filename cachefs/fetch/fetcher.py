@@ -149,6 +149,11 @@ class Fetcher:
         finally:
             self.prefetch_slots.release()
 
+    def write_backlog(self) -> tuple[int, int]:
+        """The cache writer's backlog: bytes queued for it or being written, and fetches that
+        hold fetched bytes while they wait for its room (the metrics' gauges)."""
+        return self._write_room.taken, self._write_room.waiting
+
     def readahead_memory_bytes(self) -> int:
         """Bytes read-ahead holds: its runs from asking until their last block is queued for the
         cache writer, and blocks fetched ahead and held for their first read (plan prefetch,

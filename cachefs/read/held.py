@@ -86,6 +86,11 @@ class HeldBlocks:
         """Bytes held for `owner` (without `writing`: only those the cache writer is done with)."""
         return self._bytes[owner] if writing else self._bytes[owner] - self._writing_bytes[owner]
 
+    def bytes_by_owner(self) -> dict[str, int]:
+        """Bytes held per owner, every owner named (the metrics' gauge; any thread: a read of
+        ints the trio thread updates)."""
+        return {owner.value: self._bytes[owner] for owner in Owner}
+
     def keys_of(self, owner: Owner) -> Iterator[tuple[BlockKey, Held]]:
         """The owner's entries, oldest first (a copy: the caller may drop some)."""
         for key in list(self._order[owner]):

@@ -170,9 +170,14 @@ async def test_a_run_receives_no_further_than_the_cache_writer_has_room(
         await trio.testing.wait_all_tasks_blocked()
         # Two blocks wait for the writer and a third for its room: the rest stay with the hub.
         assert hub.pieces_sent == 3
+        # The metrics' gauges (cachefs_write_queue_bytes, cachefs_write_waiting_fetches,
+        # cachefs_held_block_bytes) say where those bytes are.
+        assert spoke.fetcher.write_backlog() == (2 * BLOCK, 1)
+        assert spoke.held.bytes_by_owner() == {"demand": 0, "read-ahead": 3 * BLOCK, "plan": 0, "warm": 0}
         await spoke.nursery.start(spoke.fetcher.run_writer)
         await spoke.written()
         assert hub.pieces_sent == 8
+        assert spoke.fetcher.write_backlog() == (0, 0)
         for blockno in range(8):
             assert await spoke.read(spoke.open("a.bin"), blockno * BLOCK, BLOCK) == spoke.block("a.bin", blockno)
         assert spoke.blocks_asked("a.bin") == list(range(8))
