@@ -5,13 +5,11 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE
-from hub_helpers import free_port, hub_env
+from hub_helpers import free_port, hub_env, wait_until
 from mount_helpers import metrics_text, mounted_spoke, parse_metrics, read_uncached, spoke_metrics, wait_for_stats
 
 from cachefs.bench.memory import status_kib
@@ -26,7 +24,9 @@ def test_metrics_match_what_was_read(hub, dataset: Path, tmp_path: Path) -> None
         assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
         # Read-ahead may also have asked for the head of the next shard: all of it written.
         stats = wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == stats["fetched_bytes"] >= size)
-        metrics = wait_for_metrics(port, lambda metrics: metrics["cachefs_write_queue_bytes"] == 0)
+        # The cache writer gives its room back just after the index commit the stats count.
+        assert wait_until(lambda: spoke_metrics(port)["cachefs_write_queue_bytes"] == 0, 20)
+        metrics = spoke_metrics(port)
     assert metrics["cachefs_read_bytes_total"] == 2 * size == stats["read_bytes"]
     assert metrics["cachefs_fetched_bytes_total"] == stats["fetched_bytes"]
     assert metrics["cachefs_block_hits_total"] == stats["block_hits"] > 0
@@ -43,16 +43,6 @@ def test_metrics_match_what_was_read(hub, dataset: Path, tmp_path: Path) -> None
     held = {owner: metrics[f'cachefs_held_block_bytes{{owner="{owner}"}}'] for owner in ("demand", "read-ahead", "plan", "warm")}
     assert 0 < held["demand"] <= 8 * TEST_BLOCK_SIZE
     assert held["plan"] == held["warm"] == 0
-
-
-def wait_for_metrics(port: int, predicate: Any, timeout_s: float = 20.0) -> dict[str, float]:
-    """The spoke's metrics once `predicate(metrics)` holds (the cache writer gives its room
-    back just after the index commit the stats count)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate(metrics := spoke_metrics(port)):
-        assert time.monotonic() < deadline, f"metrics never satisfied the condition: {metrics}"
-        time.sleep(0.05)
-    return metrics
 
 
 def test_failures_are_counted_by_kind_and_operation(dataset: Path, tmp_path: Path) -> None:
