@@ -377,6 +377,12 @@ class MemoryBudget:
         """Read-ahead's runs in flight and the blocks it holds for their first read."""
         return self.read_ahead_runs_bytes + self.read_ahead_held_bytes
 
+    @property
+    def pool_blocks(self) -> int:
+        """Slots of the block buffer pool (buffers.py): every bound here, in blocks, and one more per
+        FUSE request in flight (a cached block read from disk is held until its reply)."""
+        return (self.total_bytes() - self.baseline_bytes + self.demand_fetch_bytes) // self.block_size_bytes
+
     def total_bytes(self) -> int:
         return (self.baseline_bytes + self.demand_bytes + self.demand_fetch_bytes + self.write_queue_bytes
                 + max(self.plan_bytes, self.read_ahead_bytes))

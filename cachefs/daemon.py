@@ -24,6 +24,7 @@ import pyfuse3
 import trio
 
 from . import __version__
+from .buffers import BlockBuffers
 from .cache import BlockCache
 from .cache.share import REFRESH_INTERVAL_S, TenantShare
 from .cache.tenants import DEFAULT_TENANT, Ledger
@@ -140,7 +141,7 @@ def run_daemon(config: MountConfig, notify: Notify) -> int:
     return 0
 
 
-def _hub_client(config: MountConfig, stats: Stats) -> HubClient:
+def _hub_client(config: MountConfig, stats: Stats, buffers: BlockBuffers) -> HubClient:
     """The hub, or with --tier the region's nodes in front of it."""
     options = ClientOptions(
         max_connections=config.max_connections,
@@ -148,6 +149,7 @@ def _hub_client(config: MountConfig, stats: Stats) -> HubClient:
         read_timeout_s=config.read_timeout_s,
         token=config.token,
         ssl_context=_ssl_context(config),
+        buffers=buffers,
     )
     if not config.tier_urls:
         return HubClient(config.hub_url, **options)
@@ -177,20 +179,22 @@ def _check_block_size(db: IndexDb, config: MountConfig) -> None:
 async def _serve(
     config: MountConfig, namespace_db: NamespaceDb, index_db: IndexDb, notify: Notify, stats: Stats, share: TenantShare
 ) -> None:
-    client = _hub_client(config, stats)
-    namespace = Namespace(namespace_db)
-    handles = OpenFiles()
-    snapshots = Snapshots(config, client, namespace_db, namespace, handles.versions)
-    behind = await snapshots.load_at_mount()
     budget = memory_budget(config)
     over = budget.over_target()
     if over is not None:
         log.warning("%s", over)
+    buffers = BlockBuffers(config.block_size_bytes, budget.pool_blocks)
+    client = _hub_client(config, stats, buffers)
+    namespace = Namespace(namespace_db)
+    handles = OpenFiles()
+    snapshots = Snapshots(config, client, namespace_db, namespace, handles.versions)
+    behind = await snapshots.load_at_mount()
     held = HeldBlocks(budget)
     claims = ReadAheadClaims()
     plans = ActivePlans(held)
     cache = BlockCache(
-        index_db, config.cache_dir, config.cache_size_bytes, config.block_size_bytes, stats, advisor=plans, share=share
+        index_db, config.cache_dir, config.cache_size_bytes, config.block_size_bytes, stats, advisor=plans, share=share,
+        buffers=buffers,
     )
     await trio.to_thread.run_sync(share.refresh, cache.used_bytes, cache.pinned_bytes(), cache.pressure)  # its bytes, published
     fetcher = Fetcher(
@@ -267,8 +271,7 @@ async def _serve(
             mounted = True
             nursery.start_soon(_terminate_on_signal)
             nursery.start_soon(_save_policy_periodically, cache)
-            if (libc := _glibc()) is not None:  # malloc_trim walks the heap: a worker thread's job
-                nursery.start_soon(trim_when_idle, stats, lambda: trio.to_thread.run_sync(libc.malloc_trim, 0))
+            nursery.start_soon(trim_when_idle, stats, lambda: trio.to_thread.run_sync(_trim, buffers))
             nursery.start_soon(_keep_to_share, cache, share)
             if config.refresh_interval_s:
                 nursery.start_soon(snapshots.poll, config.refresh_interval_s, refresh)  # cancels plans too
@@ -386,6 +389,13 @@ async def _save_policy_periodically(cache: BlockCache) -> None:
     while True:
         await trio.sleep(POLICY_SAVE_INTERVAL_S)
         await trio.to_thread.run_sync(cache.save_policy)
+
+
+def _trim(buffers: BlockBuffers) -> None:
+    """Free pages of the heap and of the block buffer pool back to the system (a worker thread's job: it walks the heap)."""
+    buffers.trim()
+    if (libc := _glibc()) is not None:
+        libc.malloc_trim(0)
 
 
 async def trim_when_idle(stats: Stats, trim: Callable[[], Awaitable[object]]) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import lmdb
 import xxhash
 
+from ..buffers import BlockBuffers
 from ..db import IndexDb, get_meta, put_meta
 from ..errors import CachefsError
 from ..metrics import Stats
@@ -97,10 +98,11 @@ class BlockCache:
         stats: Stats,
         advisor: EvictionAdvisor | None = None,
         share: TenantShare | None = None,
+        buffers: BlockBuffers | None = None,
     ) -> None:
         self._db = db
         self.index = BlockIndex(db)
-        self.store = BlockStore(cache_dir, block_size)
+        self.store = BlockStore(cache_dir, block_size, buffers)
         self._drop_older_index()
         self.capacity_bytes = capacity_bytes
         self._stats = stats

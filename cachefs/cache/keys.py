@@ -7,9 +7,10 @@ import struct
 
 _KEY = struct.Struct(">8s8sI")
 
-# A block's bytes: bytes when read from disk, bytearray when received from
-# the hub (filled in place, never modified afterwards).
-BlockData = bytes | bytearray
+# A block's bytes: filled in place when read from disk or received from the
+# hub, never modified afterwards; a memoryview when the buffer is a slot of
+# the block buffer pool (buffers.py).
+BlockData = bytes | bytearray | memoryview
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -38,7 +38,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from ..buffers import unfilled_buffer
+from ..buffers import BlockBuffers, Buffer, unfilled_buffer
 from .keys import BlockData, BlockKey
 
 log = logging.getLogger(__name__)
@@ -82,9 +82,10 @@ class SealedDataFile(OSError):
 class BlockStore:
     """Read, write and drop blocks in per-file sparse data files."""
 
-    def __init__(self, cache_dir: Path, block_size: int) -> None:
+    def __init__(self, cache_dir: Path, block_size: int, buffers: BlockBuffers | None = None) -> None:
         self.data_dir = cache_dir / "data"
         self.block_size = block_size
+        self._take = buffers.take if buffers is not None else unfilled_buffer  # what a block is read into
         self.data_dir.mkdir(mode=0o700, exist_ok=True)
         self._data_dir = str(self.data_dir)
         self._direct = True  # whole blocks are written with O_DIRECT while the file system allows it
@@ -116,10 +117,11 @@ class BlockStore:
         try:
             if nowait:
                 return self._read_nowait(fd, offset, length)
-            data = os.pread(fd, length, offset)
+            buffer = self._take(length)  # filled whole, or dropped
+            done = os.preadv(fd, [buffer], offset)
         finally:
             os.close(fd)
-        return data if len(data) == length else None
+        return buffer if done == length else None
 
     def start_reading(self, files: list[tuple[bytes, bytes, int]]) -> None:
         """Have the kernel start reading these data files (file id, version, bytes) into
@@ -136,9 +138,9 @@ class BlockStore:
             finally:
                 os.close(fd)
 
-    def _read_nowait(self, fd: int, offset: int, length: int) -> bytearray:
+    def _read_nowait(self, fd: int, offset: int, length: int) -> Buffer:
         """`length` bytes at `offset` if all are in the page cache, else BlockingIOError."""
-        buffer = unfilled_buffer(length)  # filled whole, or dropped
+        buffer = self._take(length)  # filled whole, or dropped
         try:
             done = os.preadv(fd, [buffer], offset, os.RWF_NOWAIT)
         except OSError as exc:

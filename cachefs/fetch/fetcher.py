@@ -39,6 +39,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 
 import trio
 
+from ..buffers import Buffer
 from ..cache import BlockCache, BlockData, BlockKey
 from ..config import MemoryBudget
 from ..errors import (
@@ -331,11 +332,11 @@ class Fetcher:
         self,
         keys: list[BlockKey],
         flights: list[Flight],
-        attempt: Callable[[], Awaitable[list[bytearray]]],
+        attempt: Callable[[], Awaitable[list[Buffer]]],
         request: _Request,
         unsettled_on: tuple[type[HubError], ...] = (),
         deadline: float | None = None,
-    ) -> list[bytearray] | None:
+    ) -> list[Buffer] | None:
         """Fetch `keys` with `attempt` (retried until `deadline`, by default `fetch_timeout_s`
         from now) and settle their flights; the blocks' bytes, None on failure.
 
@@ -371,12 +372,12 @@ class Fetcher:
         queued = 0  # blocks queued for the cache writer: a prefix of the run (they arrive in order)
         deadline = Deadline(trio.current_time() + self._fetch_timeout_s)  # waits for the writer do not count
 
-        async def attempt() -> list[bytearray]:
+        async def attempt() -> list[Buffer]:
             first = queued
             if first == len(keys):
                 return []
 
-            async def verified(index: int, data: bytearray) -> None:
+            async def verified(index: int, data: Buffer) -> None:
                 nonlocal queued
                 position = first + index
                 if position < queued:
@@ -400,7 +401,7 @@ class Fetcher:
             raise
         return True
 
-    async def _settle(self, keys: list[BlockKey], flights: list[Flight], pieces: list[bytearray], request: _Request) -> None:
+    async def _settle(self, keys: list[BlockKey], flights: list[Flight], pieces: list[Buffer], request: _Request) -> None:
         """Hand fetched blocks over (those not handed over already), then to the cache writer,
         as its room allows: readers waiting for a flight never wait for the disk; the task
         that fetched it does (back-pressure: fetching never runs more than the write queue's

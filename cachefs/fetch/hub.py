@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
+from ..buffers import Buffer
+
 # Takes each piece of a ranged answer as it arrives: (index, bytes, the answer's checksums by block number).
-PieceSink = Callable[[int, bytearray, dict[int, int]], Awaitable[None]]
+PieceSink = Callable[[int, Buffer, dict[int, int]], Awaitable[None]]
 
 
 class BlockHub(Protocol):
@@ -21,7 +23,7 @@ class BlockHub(Protocol):
         *,
         sums_block_size: int | None = None,
         on_piece: PieceSink | None = None,
-    ) -> tuple[list[bytearray], dict[int, int]]:
+    ) -> tuple[list[Buffer], dict[int, int]]:
         """Consecutive pieces of `lengths` bytes from `start`; with `sums_block_size`, the xxh3-64 of
         each block the hub sent in the answer's header (block number -> checksum). With
         `on_piece`, each piece is awaited into it as it arrives, in order, and not returned
@@ -33,8 +35,8 @@ class BlockHub(Protocol):
         files: Sequence[tuple[str, str]],
         lengths: Sequence[int],
         block_size: int,
-        on_file: Callable[[int, bytearray, int], None],
-    ) -> list[bytearray]:
+        on_file: Callable[[int, Buffer, int], None],
+    ) -> list[Buffer]:
         """Whole small files (id, version) in one request; `on_file(index, bytes, checksum)` as each arrives."""
         ...
 

@@ -19,7 +19,7 @@ from typing import Any, NotRequired, TypedDict
 import h11
 import trio
 
-from ..buffers import unfilled_buffer
+from ..buffers import BlockBuffers, Buffer, unfilled_buffer
 from ..config import HubURL
 from ..errors import BatchUnsupported, HubProtocolError, HubStatusError, HubTLSError, HubUnavailable, RemoteFileChanged
 from .hub import PieceSink
@@ -71,9 +71,10 @@ class _Connection:
         self,
         lengths: Sequence[int],
         read_timeout_s: float,
-        on_filled: Callable[[int, bytearray], Awaitable[None]] | None = None,
+        on_filled: Callable[[int, Buffer], Awaitable[None]] | None = None,
         keep: bool = True,
-    ) -> tuple[list[bytearray], int]:
+        take: Callable[[int], Buffer] = unfilled_buffer,
+    ) -> tuple[list[Buffer], int]:
         """Read a Content-Length body straight into one buffer per piece of `lengths`, in order;
         returns the buffers (none unless `keep`) and the bytes read.
 
@@ -83,15 +84,15 @@ class _Connection:
         Afterwards the connection gets a fresh h11 state for the next request.
         `await on_filled(i, buffer)` runs as soon as buffer i is full, before
         the next is received (it may raise, which aborts the read); each buffer
-        is allocated only when its turn comes, so a body handed on piece by
+        is taken (`take(length)`) only when its turn comes, so a body handed on piece by
         piece (`keep=False`) holds one piece in memory, not all of them.
         """
         self._body_bypassed = True
         buffered = self._drain_h11_body()
         total = 0
-        kept: list[bytearray] = []
+        kept: list[Buffer] = []
         for index, length in enumerate(lengths):
-            buffer = unfilled_buffer(length)  # handed on only once filled
+            buffer = take(length)  # handed on only once filled
             view = memoryview(buffer)
             filled = 0
             while buffered and filled < length:
@@ -164,13 +165,14 @@ class _Response:
 
 
 class ClientOptions(TypedDict):
-    """HubClient's connection settings (a TierClient gives its hub and each node the same)."""
+    """HubClient's connection settings and block buffer pool (a TierClient gives its hub and each node the same)."""
 
     max_connections: int
     connect_timeout_s: float
     read_timeout_s: float
     token: NotRequired[str | None]
     ssl_context: NotRequired[ssl.SSLContext | None]
+    buffers: NotRequired[BlockBuffers | None]
 
 
 class HubClient:
@@ -185,8 +187,10 @@ class HubClient:
         read_timeout_s: float,
         token: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        buffers: BlockBuffers | None = None,
     ) -> None:
         self.url = url
+        self._take = buffers.take if buffers is not None else unfilled_buffer  # what a block's bytes are received into
         if url.tls and ssl_context is None:
             ssl_context = ssl.create_default_context()
         self._ssl_context = ssl_context
@@ -220,7 +224,7 @@ class HubClient:
         *,
         sums_block_size: int | None = None,
         on_piece: PieceSink | None = None,
-    ) -> tuple[list[bytearray], dict[int, int]]:
+    ) -> tuple[list[Buffer], dict[int, int]]:
         """Bytes from `start` of one file version, as consecutive pieces of `lengths` bytes.
 
         One request; exactly those bytes or an error. Receiving into one
@@ -248,7 +252,7 @@ class HubClient:
             if on_piece is None:
                 pieces = await self._read_pieces(conn, lengths, f"file {file_id} at {start}")
             else:
-                async def arrived(index: int, piece: bytearray) -> None:
+                async def arrived(index: int, piece: Buffer) -> None:
                     await on_piece(index, piece, sums)
 
                 pieces = await self._read_pieces(conn, lengths, f"file {file_id} at {start}", arrived, keep=False)
@@ -259,8 +263,8 @@ class HubClient:
         files: Sequence[tuple[str, str]],
         lengths: Sequence[int],
         block_size: int,
-        on_file: Callable[[int, bytearray, int], None],
-    ) -> list[bytearray]:
+        on_file: Callable[[int, Buffer, int], None],
+    ) -> list[Buffer]:
         """Whole small files (id, version), each at most one block, in one request (hubserver/batch.py).
 
         Returns their bytes (`lengths`, from the manifest). `on_file(i, bytes,
@@ -285,7 +289,7 @@ class HubClient:
                 raise BatchUnsupported(f"a batch answer came without its {BATCH_SUMS_HEADER.decode()} header")
             sums = _parse_batch_sums(response.headers[BATCH_SUMS_HEADER], len(files))
 
-            async def arrived(index: int, piece: bytearray) -> None:
+            async def arrived(index: int, piece: Buffer) -> None:
                 on_file(index, piece, sums[index])
 
             return await self._read_pieces(conn, lengths, f"a batch of {len(files)} files", arrived)
@@ -295,15 +299,15 @@ class HubClient:
         conn: _Connection,
         lengths: Sequence[int],
         what: str,
-        on_piece: Callable[[int, bytearray], Awaitable[None]] | None = None,
+        on_piece: Callable[[int, Buffer], Awaitable[None]] | None = None,
         keep: bool = True,
-    ) -> list[bytearray]:
+    ) -> list[Buffer]:
         """The body, received straight into one buffer per piece; exactly sum(lengths) bytes or an error.
 
         `await on_piece(i, piece)` gets each piece as soon as it is complete; without `keep`
         the pieces are not returned."""
         try:
-            pieces, received = await conn.read_body_into(lengths, self._read_timeout_s, on_piece, keep)
+            pieces, received = await conn.read_body_into(lengths, self._read_timeout_s, on_piece, keep, self._take)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:  # TLS streams raise trio's
             raise _translate(exc, self.url) from None
         if received != sum(lengths):

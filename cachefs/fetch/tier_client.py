@@ -20,6 +20,7 @@ from typing import TypeVar, Unpack
 import trio
 import xxhash
 
+from ..buffers import Buffer
 from ..config import HubURL
 from ..errors import BatchUnsupported, HubError, HubProtocolError, HubStatusError, HubTLSError, HubUnavailable
 from ..metrics import Stats
@@ -130,13 +131,13 @@ class TierClient(HubClient):
         *,
         sums_block_size: int | None = None,
         on_piece: PieceSink | None = None,
-    ) -> tuple[list[bytearray], dict[int, int]]:
+    ) -> tuple[list[Buffer], dict[int, int]]:
         """As HubClient.get_range; a range over several slices is asked of their owners side by
         side (and handed to `on_piece` once all of it has arrived)."""
         parts = split_at_slices(start, lengths, self._slice_bytes)
         if len(parts) == 1:
             return await self._slice_range(file_id, version, parts[0].start, lengths, sums_block_size, on_piece)
-        results: list[tuple[list[bytearray], dict[int, int]]] = [([], {})] * len(parts)
+        results: list[tuple[list[Buffer], dict[int, int]]] = [([], {})] * len(parts)
         errors: list[HubError] = []
 
         async def get_part(index: int, part: SlicePart, cancel: trio.CancelScope) -> None:
@@ -151,24 +152,33 @@ class TierClient(HubClient):
                 nursery.start_soon(get_part, index, part, nursery.cancel_scope)
         if errors:
             raise errors[0]
-        cut: list[list[bytearray]] = [[] for _ in lengths]  # each caller's piece, in one or more parts
+        cut: list[list[Buffer]] = [[] for _ in lengths]  # each caller's piece, in one or more parts
         sums: dict[int, int] = {}
         for part, (part_pieces, part_sums) in zip(parts, results, strict=True):
             for owner, piece in zip(part.piece_of, part_pieces, strict=True):
                 cut[owner].append(piece)
             sums.update(part_sums)
         # A block larger than a slice came in slices: joined, one copy (only then).
-        joined = [pieces[0] if len(pieces) == 1 else bytearray().join(pieces) for pieces in cut]
+        joined = [pieces[0] if len(pieces) == 1 else self._joined(pieces) for pieces in cut]
         if on_piece is None:
             return joined, sums
         for index, piece in enumerate(joined):
             await on_piece(index, piece, sums)
         return [], sums
 
+    def _joined(self, pieces: list[Buffer]) -> Buffer:
+        """One buffer of the pieces in order (taken as HubClient takes a block's)."""
+        joined = self._take(sum(len(piece) for piece in pieces))
+        offset = 0
+        for piece in pieces:
+            joined[offset : offset + len(piece)] = piece
+            offset += len(piece)
+        return joined
+
     async def _slice_range(
         self, file_id: str, version: str, start: int, lengths: Sequence[int], sums_block_size: int | None,
         on_piece: PieceSink | None,
-    ) -> tuple[list[bytearray], dict[int, int]]:
+    ) -> tuple[list[Buffer], dict[int, int]]:
         return await self._routed(
             file_id,
             start,
@@ -192,8 +202,8 @@ class TierClient(HubClient):
         files: Sequence[tuple[str, str]],
         lengths: Sequence[int],
         block_size: int,
-        on_file: Callable[[int, bytearray, int], None],
-    ) -> list[bytearray]:
+        on_file: Callable[[int, Buffer, int], None],
+    ) -> list[Buffer]:
         """Never: two spokes never form the same batch, so a batch would not be shared by
         the region; each small file is asked for on its own, and cached by its node."""
         raise BatchUnsupported("the regional tier shares small files one by one, not in batches")

@@ -12,6 +12,7 @@ from typing import Any
 import trio
 import xxhash
 
+from ..buffers import Buffer
 from ..cache import BlockKey
 from ..errors import HubError, HubProtocolError, HubStatusError, HubUnavailable, RemoteFileChanged
 from ..metrics import FETCH_DURATION, Stats
@@ -29,7 +30,7 @@ MAX_BACKOFF_S = 5.0
 HEADER_SUMS_BLOCKS = 64
 
 # Takes each block of a ranged answer once it has passed its check: (index in the range, bytes).
-VerifiedSink = Callable[[int, bytearray], Awaitable[None]]
+VerifiedSink = Callable[[int, Buffer], Awaitable[None]]
 
 
 class VerifiedRequests:
@@ -46,7 +47,7 @@ class VerifiedRequests:
 
     async def range(
         self, key: BlockKey, start: int, lengths: list[int], on_verified: VerifiedSink | None = None
-    ) -> list[bytearray]:
+    ) -> list[Buffer]:
         """One attempt: the data, checked against the hub's checksums of it.
 
         The checksums come from memory, or in the data answer's header (a
@@ -84,13 +85,13 @@ class VerifiedRequests:
     def _counted(self, on_verified: VerifiedSink) -> VerifiedSink:
         """`on_verified`, counting the bytes it gets as fetched (`with_retries` counts those returned)."""
 
-        async def counted(index: int, piece: bytearray) -> None:
+        async def counted(index: int, piece: Buffer) -> None:
             self._stats.fetched_bytes += len(piece)
             await on_verified(index, piece)
 
         return counted
 
-    async def _checked(self, key: BlockKey, start: int, lengths: list[int], expected: list[int] | None) -> list[bytearray]:
+    async def _checked(self, key: BlockKey, start: int, lengths: list[int], expected: list[int] | None) -> list[Buffer]:
         """The data of `range`, all of it received before any is checked."""
         count = len(lengths)
         if expected is not None:
@@ -122,14 +123,14 @@ class VerifiedRequests:
     ) -> None:
         """The data of `range`, each block checked and handed on as it arrives (see `range`)."""
         count = len(lengths)
-        waiting: list[tuple[int, bytearray]] = []  # arrived, behind a block whose checksum is not known yet
+        waiting: list[tuple[int, Buffer]] = []  # arrived, behind a block whose checksum is not known yet
 
-        def check(index: int, piece: bytearray, checksum: int) -> None:
+        def check(index: int, piece: Buffer, checksum: int) -> None:
             if self._first_mismatch([piece], [checksum]) is not None:
                 self._checksums.forget(key, count)
                 raise HubProtocolError(f"block {key.blockno + index} of file {key.file_id.hex()} failed its checksum")
 
-        async def arrived(index: int, piece: bytearray, sums: dict[int, int]) -> None:
+        async def arrived(index: int, piece: Buffer, sums: dict[int, int]) -> None:
             if index == 0:
                 waiting.clear()  # a source asked again after one failed part way starts afresh
             checksum = expected[index] if expected is not None else sums.get(key.blockno + index)
@@ -154,12 +155,12 @@ class VerifiedRequests:
             await on_verified(index, piece)
 
     async def batch(
-        self, keys: Sequence[BlockKey], lengths: Sequence[int], verified: Callable[[int, bytearray], None]
-    ) -> list[bytearray]:
+        self, keys: Sequence[BlockKey], lengths: Sequence[int], verified: Callable[[int, Buffer], None]
+    ) -> list[Buffer]:
         """One attempt at a batch of whole small files, each checked against the hub's checksum
         and passed to `verified` (with its index) as soon as it has arrived."""
 
-        def arrived(index: int, piece: bytearray, checksum: int) -> None:
+        def arrived(index: int, piece: Buffer, checksum: int) -> None:
             if self._first_mismatch([piece], [checksum]) is not None:
                 raise HubProtocolError(f"file {keys[index].file_id.hex()} of a batch failed its checksum")
             verified(index, piece)
@@ -167,7 +168,7 @@ class VerifiedRequests:
         files = [(key.file_id.hex(), key.version.hex()) for key in keys]
         return await self._client.get_batch(files, lengths, self._block_size, arrived)
 
-    def _first_mismatch(self, pieces: list[bytearray], expected: Sequence[int]) -> int | None:
+    def _first_mismatch(self, pieces: list[Buffer], expected: Sequence[int]) -> int | None:
         """The index of the first piece whose xxh3 is not the hub's (counted as an integrity failure), or None."""
         for index, (piece, checksum) in enumerate(zip(pieces, expected, strict=True)):
             if xxhash.xxh3_64_intdigest(piece) != checksum:
@@ -175,7 +176,7 @@ class VerifiedRequests:
                 return index
         return None
 
-    async def _data_and_sums(self, key: BlockKey, start: int, lengths: list[int]) -> tuple[list[bytearray], list[int]]:
+    async def _data_and_sums(self, key: BlockKey, start: int, lengths: list[int]) -> tuple[list[Buffer], list[int]]:
         """The data request and the checksum request, side by side (no extra round trip)."""
         results: dict[str, Any] = {}
 
@@ -197,9 +198,9 @@ class VerifiedRequests:
     async def with_retries(
         self,
         key: BlockKey,
-        attempt_once: Callable[[], Awaitable[list[bytearray]]],
+        attempt_once: Callable[[], Awaitable[list[Buffer]]],
         deadline: float | Deadline | None = None,
-    ) -> list[bytearray]:
+    ) -> list[Buffer]:
         """`attempt_once()` until it succeeds or `deadline` (by default `fetch_timeout_s` from
         now) has passed (`key` names it in logs)."""
         if deadline is None:
