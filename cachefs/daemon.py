@@ -266,7 +266,7 @@ async def _serve(
             control = ControlServer(admin.handlers(), {"plan": planner.handle_plan})
             await nursery.start(control.serve, config.cache_dir / SOCKET_NAME)
             if config.metrics_listen is not None:
-                _serve_metrics(config, stats, cache, fetcher, held, planner, share)
+                _serve_metrics(config, stats, cache, fetcher, held, buffers, planner, share)
             _init_fuse(operations, config)
             mounted = True
             nursery.start_soon(_terminate_on_signal)
@@ -339,8 +339,8 @@ def _ssl_context(config: MountConfig) -> ssl.SSLContext | None:
 
 
 def _serve_metrics(
-    config: MountConfig, stats: Stats, cache: BlockCache, fetcher: Fetcher, held: HeldBlocks, planner: Planner,
-    share: TenantShare,
+    config: MountConfig, stats: Stats, cache: BlockCache, fetcher: Fetcher, held: HeldBlocks, buffers: BlockBuffers,
+    planner: Planner, share: TenantShare,
 ) -> None:
     assert config.metrics_listen is not None
     try:
@@ -348,7 +348,7 @@ def _serve_metrics(
             **cache_gauges(
                 used_bytes=cache.used_bytes(), capacity_bytes=cache.capacity_bytes, pinned_bytes=cache.pinned_bytes(),
                 blocks=cache.block_count(), fetches_in_flight=fetcher.requests_in_flight,
-                write_backlog=fetcher.write_backlog(),
+                write_backlog=fetcher.write_backlog(), block_buffers=(buffers.in_use_bytes, buffers.resident_bytes),
             ),
             **training_gauges(planner.snapshot(judge=False)),
         }, tenants=lambda: share.snapshot(cache.used_bytes(), cache.pinned_bytes())["tenants"],

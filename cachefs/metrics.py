@@ -153,6 +153,8 @@ _GAUGES = {  # name -> help
     "cachefs_fetches_in_flight": "Requests to the hub under way",
     "cachefs_write_queue_bytes": "Fetched bytes queued for the cache writer or being written",
     "cachefs_write_waiting_fetches": "Fetches holding fetched bytes while they wait for the cache writer's room",
+    "cachefs_block_buffer_bytes": "Block-sized buffers in use (slots of the block buffer pool)",
+    "cachefs_block_buffer_resident_bytes": "Memory of the block buffer pool's slots filled since the last idle trim",
     "cachefs_plans_active": "Loader plans being followed",
     "cachefs_plan_lookahead_blocks": "Blocks fetched ahead of the readers along the plans",
     "cachefs_time_to_warm_seconds": "Time from the first read until the hit ratio stayed at 95 % or more (-1: not warm yet)",
@@ -165,10 +167,12 @@ _GAUGES = {  # name -> help
 
 def cache_gauges(
     *, used_bytes: int, capacity_bytes: int, pinned_bytes: int, blocks: int, fetches_in_flight: int,
-    write_backlog: tuple[int, int],
+    write_backlog: tuple[int, int], block_buffers: tuple[int, int],
 ) -> dict[str, float]:
-    """Gauges of the block cache and the fetcher (`write_backlog`: Fetcher.write_backlog)."""
+    """Gauges of the block cache and the fetcher (`write_backlog`: Fetcher.write_backlog;
+    `block_buffers`: BlockBuffers.in_use_bytes and resident_bytes)."""
     queued_bytes, waiting_fetches = write_backlog
+    buffer_bytes, buffer_resident_bytes = block_buffers
     return {
         "cachefs_cache_used_bytes": used_bytes,
         "cachefs_cache_capacity_bytes": capacity_bytes,
@@ -177,6 +181,8 @@ def cache_gauges(
         "cachefs_fetches_in_flight": fetches_in_flight,
         "cachefs_write_queue_bytes": queued_bytes,
         "cachefs_write_waiting_fetches": waiting_fetches,
+        "cachefs_block_buffer_bytes": buffer_bytes,
+        "cachefs_block_buffer_resident_bytes": buffer_resident_bytes,
     }
 
 

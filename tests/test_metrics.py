@@ -43,6 +43,8 @@ def test_metrics_match_what_was_read(hub, dataset: Path, tmp_path: Path) -> None
     held = {owner: metrics[f'cachefs_held_block_bytes{{owner="{owner}"}}'] for owner in ("demand", "read-ahead", "plan", "warm")}
     assert 0 < held["demand"] <= 8 * TEST_BLOCK_SIZE
     assert held["plan"] == held["warm"] == 0
+    # The demand blocks kept are slots of the block buffer pool, which stays resident under them.
+    assert 0 < metrics["cachefs_block_buffer_bytes"] <= metrics["cachefs_block_buffer_resident_bytes"]
 
 
 def test_failures_are_counted_by_kind_and_operation(dataset: Path, tmp_path: Path) -> None:
