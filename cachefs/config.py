@@ -378,10 +378,10 @@ class MemoryBudget:
         return self.read_ahead_runs_bytes + self.read_ahead_held_bytes
 
     @property
-    def pool_blocks(self) -> int:
-        """Slots of the block buffer pool (buffers.py): every bound here, in blocks, and one more per
-        FUSE request in flight (a cached block read from disk is held until its reply)."""
-        return (self.total_bytes() - self.baseline_bytes + self.demand_fetch_bytes) // self.block_size_bytes
+    def buffer_pool_bytes(self) -> int:
+        """Bytes of each size class of the block buffer pools (buffers.py): every bound here, and one
+        block more per FUSE request in flight (a cached block read from disk is held until its reply)."""
+        return self.total_bytes() - self.baseline_bytes + self.demand_fetch_bytes
 
     def total_bytes(self) -> int:
         return (self.baseline_bytes + self.demand_bytes + self.demand_fetch_bytes + self.write_queue_bytes

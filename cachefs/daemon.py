@@ -60,6 +60,9 @@ Notify = Callable[[str], None]
 POLICY_SAVE_INTERVAL_S = 60.0
 # Seconds without a fetch or a read after which the heap's free pages go back to the system.
 IDLE_TRIM_S = 1.0
+# Block buffer slots free this long give their pages back even while the daemon is busy: the heap
+# (small files after shards) cannot use the pool's spare memory (docs/performance.md).
+SPARE_SLOT_S = 0.25
 # A lock held by another tenant's liveness probe is free again within microseconds,
 # one held while another tenant reclaims this one's blocks within a second or so;
 # one held by a daemon is not within these 3 s.
@@ -183,7 +186,7 @@ async def _serve(
     over = budget.over_target()
     if over is not None:
         log.warning("%s", over)
-    buffers = BlockBuffers(config.block_size_bytes, budget.pool_blocks)
+    buffers = BlockBuffers(config.block_size_bytes, budget.buffer_pool_bytes)
     client = _hub_client(config, stats, buffers)
     namespace = Namespace(namespace_db)
     handles = OpenFiles()
@@ -272,6 +275,7 @@ async def _serve(
             nursery.start_soon(_terminate_on_signal)
             nursery.start_soon(_save_policy_periodically, cache)
             nursery.start_soon(trim_when_idle, stats, lambda: trio.to_thread.run_sync(_trim, buffers))
+            nursery.start_soon(_trim_spare_slots, buffers)
             nursery.start_soon(_keep_to_share, cache, share)
             if config.refresh_interval_s:
                 nursery.start_soon(snapshots.poll, config.refresh_interval_s, refresh)  # cancels plans too
@@ -414,6 +418,13 @@ async def trim_when_idle(stats: Stats, trim: Callable[[], Awaitable[object]]) ->
         elif not trimmed:
             await trim()
             trimmed = True
+
+
+async def _trim_spare_slots(buffers: BlockBuffers) -> None:
+    """Every SPARE_SLOT_S, the pages of block buffer slots free that long back to the system (a madvise each)."""
+    while True:
+        await trio.sleep(SPARE_SLOT_S)
+        buffers.trim(free_for_s=SPARE_SLOT_S)
 
 
 async def _terminate_on_signal() -> None:

@@ -5,8 +5,9 @@ sequential read of a cached file is a sequential read of one local file and
 gets the kernel's readahead (docs/performance.md). Evicting a block punches a
 hole (fallocate), which returns its disk space at once.
 
-Whole blocks are written with O_DIRECT, copied through one page-aligned
-buffer. Written through the page cache, a fetched block was held twice in
+Whole blocks are written with O_DIRECT: straight from their buffer when it
+is page-aligned (a slot of the block buffer pool), else copied through one
+page-aligned buffer. Written through the page cache, a fetched block was held twice in
 memory (it is in the FUSE file's page cache already), cost a page
 allocation and a copy per 4 KiB, and left dirty pages whose writeback
 landed on later index commits (docs/performance.md has the cost). A file's short
@@ -38,7 +39,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from ..buffers import BlockBuffers, Buffer, unfilled_buffer
+from ..buffers import BlockBuffers, Buffer, page_aligned, unfilled_buffer
 from .keys import BlockData, BlockKey
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,8 @@ _FALLOC_FL_PUNCH_HOLE = 0x02
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 # Blocks whose length is a multiple of this (every block but a file's last)
-# are written with O_DIRECT, copied through one page-aligned buffer of
+# are written with O_DIRECT, straight from a page-aligned buffer (a pool
+# slot) or copied through one page-aligned buffer of
 # DIRECT_CHUNK_BYTES. See write().
 DIRECT_ALIGN = 4096
 DIRECT_CHUNK_BYTES = 1 << 20
@@ -202,7 +204,10 @@ class BlockStore:
         return os.pwrite(fd, data, offset)
 
     def _pwrite_direct(self, fd: int, data: BlockData, offset: int) -> int:
-        """pwrite through the page-aligned buffer O_DIRECT needs, DIRECT_CHUNK_BYTES at a time."""
+        """pwrite with O_DIRECT: a page-aligned block (a pool slot) as it is, any other through
+        the page-aligned buffer O_DIRECT needs, DIRECT_CHUNK_BYTES at a time."""
+        if page_aligned(data, DIRECT_ALIGN):
+            return os.pwrite(fd, data, offset)
         source = memoryview(data)
         written = 0
         with self._aligned_lock, memoryview(self._aligned) as aligned:
