@@ -258,21 +258,60 @@ class Fetcher:
         """
         with self._readahead_fetching(lengths):
             flights = self._new_flights(keys, claim=True)
+            queued: set[int] = set()
             if self.batches:
-                attempt = functools.partial(
-                    self._requests.batch, keys, lengths,
-                    lambda index, piece: self._hand_over(keys[index], flights[index], piece, _READ_AHEAD, index))
                 try:
-                    pieces = await self._run(
-                        list(keys), flights, attempt, _READ_AHEAD, unsettled_on=(RemoteFileChanged, BatchUnsupported)
-                    )
-                    return pieces is not None
+                    return await self._batch_streamed(keys, flights, lengths, queued)
                 except RemoteFileChanged:
                     pass  # one of them changed: asking one by one tells which
                 except BatchUnsupported as exc:
                     log.warning("no batches of small files from this hub (%s): asking for them one by one", exc)
                     self.batches = False
-            return await self._read_ahead_one_by_one(keys, flights, lengths)
+            rest = [index for index in range(len(keys)) if index not in queued]
+            return await self._read_ahead_one_by_one(
+                [keys[index] for index in rest], [flights[index] for index in rest], [lengths[index] for index in rest]
+            )
+
+    async def _batch_streamed(
+        self, keys: Sequence[BlockKey], flights: list[Flight], lengths: Sequence[int], queued: set[int]
+    ) -> bool:
+        """Small files with one batch request (retried until `fetch_timeout_s` from now), each
+        handed over and then queued for the cache writer as soon as it has arrived and been
+        checked, as a run's blocks are: the next file is received only once the writer has
+        room for this one, so a batch holds one file in memory, not all of them. A retry asks
+        only for the files not queued yet (`queued`: their indexes). False on failure; a changed
+        file or a hub without batches raises, with the flights of the files not queued open."""
+        deadline = Deadline(trio.current_time() + self._fetch_timeout_s)  # waits for the writer do not count
+
+        async def attempt() -> list[Buffer]:
+            rest = [index for index in range(len(keys)) if index not in queued]
+            if not rest:
+                return []
+
+            async def verified(position: int, data: Buffer) -> None:
+                index = rest[position]
+                self._hand_over(keys[index], flights[index], data, _READ_AHEAD, index)
+                with deadline.paused():
+                    await self._write_room.take(len(data))
+                self._write_send.send_nowait((keys[index], data, _READ_AHEAD.force_admission))
+                queued.add(index)
+
+            return await self._requests.batch([keys[index] for index in rest], [lengths[index] for index in rest], verified)
+
+        try:
+            await self._requests.with_retries(keys[0], attempt, deadline)
+        except (RemoteFileChanged, BatchUnsupported):
+            raise
+        except HubError as exc:
+            rest = [index for index in range(len(keys)) if index not in queued]
+            self._fail([keys[index] for index in rest], [flights[index] for index in rest], exc)
+            return False
+        except BaseException:  # cancelled: what is not queued is neither cached nor in flight
+            rest = [index for index in range(len(keys)) if index not in queued]
+            self._fail([keys[index] for index in rest], [flights[index] for index in rest],
+                       FetchAbandoned(f"fetch of {keys[0]} was cancelled"))
+            raise
+        return True
 
     async def _read_ahead_one_by_one(self, keys: Sequence[BlockKey], flights: list[Flight], lengths: Sequence[int]) -> bool:
         """Small files with one request each, side by side (one round trip, not one per file)

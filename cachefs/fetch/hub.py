@@ -35,9 +35,10 @@ class BlockHub(Protocol):
         files: Sequence[tuple[str, str]],
         lengths: Sequence[int],
         block_size: int,
-        on_file: Callable[[int, Buffer, int], None],
-    ) -> list[Buffer]:
-        """Whole small files (id, version) in one request; `on_file(index, bytes, checksum)` as each arrives."""
+        on_file: Callable[[int, Buffer, int], Awaitable[None]],
+    ) -> None:
+        """Whole small files (id, version) in one request; `await on_file(index, bytes, checksum)` as
+        each arrives, before the next is received."""
         ...
 
     async def get_checksums(self, file_id: str, version: str, block_size: int, first: int, count: int) -> list[int]:

@@ -263,14 +263,14 @@ class HubClient:
         files: Sequence[tuple[str, str]],
         lengths: Sequence[int],
         block_size: int,
-        on_file: Callable[[int, Buffer, int], None],
-    ) -> list[Buffer]:
+        on_file: Callable[[int, Buffer, int], Awaitable[None]],
+    ) -> None:
         """Whole small files (id, version), each at most one block, in one request (hubserver/batch.py).
 
-        Returns their bytes (`lengths`, from the manifest). `on_file(i, bytes,
-        checksum)` gets each file with the hub's checksum of it as soon as it
-        has arrived, before the rest of the answer (it may raise, which ends
-        the request). RemoteFileChanged if any of them is not the hub's
+        `await on_file(i, bytes, checksum)` gets each file (`lengths`, from the
+        manifest) with the hub's checksum of it as soon as it has arrived,
+        before the rest of the answer is received (it may raise, which ends
+        the request); none is kept here. RemoteFileChanged if any of them is not the hub's
         current version.
         """
         names = ",".join(f"{file_id}.{version}" for file_id, version in files)
@@ -290,9 +290,9 @@ class HubClient:
             sums = _parse_batch_sums(response.headers[BATCH_SUMS_HEADER], len(files))
 
             async def arrived(index: int, piece: Buffer) -> None:
-                on_file(index, piece, sums[index])
+                await on_file(index, piece, sums[index])
 
-            return await self._read_pieces(conn, lengths, f"a batch of {len(files)} files", arrived)
+            await self._read_pieces(conn, lengths, f"a batch of {len(files)} files", arrived, keep=False)
 
     async def _read_pieces(
         self,

@@ -202,8 +202,8 @@ class TierClient(HubClient):
         files: Sequence[tuple[str, str]],
         lengths: Sequence[int],
         block_size: int,
-        on_file: Callable[[int, Buffer, int], None],
-    ) -> list[Buffer]:
+        on_file: Callable[[int, Buffer, int], Awaitable[None]],
+    ) -> None:
         """Never: two spokes never form the same batch, so a batch would not be shared by
         the region; each small file is asked for on its own, and cached by its node."""
         raise BatchUnsupported("the regional tier shares small files one by one, not in batches")

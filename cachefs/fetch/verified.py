@@ -155,18 +155,20 @@ class VerifiedRequests:
             await on_verified(index, piece)
 
     async def batch(
-        self, keys: Sequence[BlockKey], lengths: Sequence[int], verified: Callable[[int, Buffer], None]
+        self, keys: Sequence[BlockKey], lengths: Sequence[int], verified: Callable[[int, Buffer], Awaitable[None]]
     ) -> list[Buffer]:
         """One attempt at a batch of whole small files, each checked against the hub's checksum
-        and passed to `verified` (with its index) as soon as it has arrived."""
+        and awaited into `verified` (with its index) as soon as it has arrived; none is returned."""
+        counted = self._counted(verified)
 
-        def arrived(index: int, piece: Buffer, checksum: int) -> None:
+        async def arrived(index: int, piece: Buffer, checksum: int) -> None:
             if self._first_mismatch([piece], [checksum]) is not None:
                 raise HubProtocolError(f"file {keys[index].file_id.hex()} of a batch failed its checksum")
-            verified(index, piece)
+            await counted(index, piece)
 
         files = [(key.file_id.hex(), key.version.hex()) for key in keys]
-        return await self._client.get_batch(files, lengths, self._block_size, arrived)
+        await self._client.get_batch(files, lengths, self._block_size, arrived)
+        return []
 
     def _first_mismatch(self, pieces: list[Buffer], expected: Sequence[int]) -> int | None:
         """The index of the first piece whose xxh3 is not the hub's (counted as an integrity failure), or None."""

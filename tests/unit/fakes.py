@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 import xxhash
@@ -124,8 +124,8 @@ class FakeHub:
         files: Sequence[tuple[str, str]],
         lengths: Sequence[int],
         block_size: int,
-        on_file: Callable[[int, bytearray, int], None],
-    ) -> list[bytearray]:
+        on_file: Callable[[int, bytearray, int], Awaitable[None]],
+    ) -> None:
         if not self.batches:
             raise BatchUnsupported("fake hub: no batches")
         await self._arrive("batch", tuple(file_id for file_id, _v in files), 0, tuple(lengths))
@@ -133,8 +133,7 @@ class FakeHub:
         self._maybe_corrupt(pieces)
         for index, piece in enumerate(pieces):
             self.bytes_sent += len(piece)
-            on_file(index, piece, xxhash.xxh3_64_intdigest(self.files[files[index]]))
-        return pieces
+            await on_file(index, piece, xxhash.xxh3_64_intdigest(self.files[files[index]]))
 
     async def get_checksums(self, file_id: str, version: str, block_size: int, first: int, count: int) -> list[int]:
         self.requests.append(HubRequest("checksums", (file_id,), first, (count,), trio.current_time()))
