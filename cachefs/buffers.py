@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import mmap
 import threading
 import time
 import weakref
+
+log = logging.getLogger(__name__)
 
 # What a fetch or a disk read fills: a pool slot (block-sized) or a bytearray.
 Buffer = bytearray | memoryview
@@ -45,9 +48,14 @@ class _Slots:
 
     def __init__(self, size: int, count: int) -> None:
         self.size = size
+        try:
+            # Address space only: a slot's pages become resident when it is first filled.
+            self._mapping = mmap.mmap(-1, count * size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        except OSError as exc:  # strict overcommit (vm.overcommit_memory=2) counts what is only reserved
+            log.warning("no pool of %d-byte buffers (%s): they come from the heap", size, exc)
+            self._mapping = mmap.mmap(-1, mmap.PAGESIZE)  # unused: no slots
+            count = 0
         self.count = count
-        # Address space only: a slot's pages become resident when it is first filled.
-        self._mapping = mmap.mmap(-1, count * size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
         self._free = list(range(count - 1, -1, -1))  # popped from the end: the slot freed last, resident
         self._watchers: list[weakref.ref[ctypes.Array[ctypes.c_char]] | None] = [None] * count
         self._resident: set[int] = set()  # slots filled since their last trim

@@ -103,3 +103,10 @@ def test_slots_start_on_a_page() -> None:
     assert all(page_aligned(block, 4096) for block in blocks)
     assert not page_aligned(blocks[0][512:], 4096)
     assert not page_aligned(bytes(BLOCK), 4096)  # read-only: never handed to O_DIRECT as is
+
+
+def test_without_address_space_for_the_pools_buffers_come_from_the_heap() -> None:
+    buffers = BlockBuffers(BLOCK, max_bytes=1 << 48)  # more than a process can map
+    block = filled(buffers, b"h")
+    assert isinstance(block, bytearray) and bytes(block) == b"h" * BLOCK
+    assert buffers.in_use_bytes == buffers.resident_bytes == 0
