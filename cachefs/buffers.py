@@ -1,4 +1,4 @@
-"""Byte buffers that a read fills whole: block-sized ones from a pool of reused slots, others allocated without zeroing."""
+"""Byte buffers that a read fills whole: block bytes in slots of reused mappings, other pieces allocated without zeroing."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import weakref
 
 log = logging.getLogger(__name__)
 
-# What a fetch or a disk read fills: a pool slot (block-sized) or a bytearray.
+# What a fetch or a disk read fills: a slot of a BlockBuffers pool or a bytearray.
 Buffer = bytearray | memoryview
 
 # The C API's constructor with no source leaves the bytes as malloc gave them;

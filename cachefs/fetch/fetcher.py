@@ -267,7 +267,7 @@ class Fetcher:
                 except BatchUnsupported as exc:
                     log.warning("no batches of small files from this hub (%s): asking for them one by one", exc)
                     self.batches = False
-            rest = [index for index in range(len(keys)) if index not in queued]
+            rest = _not_in(queued, len(keys))
             return await self._read_ahead_one_by_one(
                 [keys[index] for index in rest], [flights[index] for index in rest], [lengths[index] for index in rest]
             )
@@ -283,8 +283,12 @@ class Fetcher:
         file or a hub without batches raises, with the flights of the files not queued open."""
         deadline = Deadline(trio.current_time() + self._fetch_timeout_s)  # waits for the writer do not count
 
+        def fail_rest(error: HubError) -> None:
+            rest = _not_in(queued, len(keys))
+            self._fail([keys[index] for index in rest], [flights[index] for index in rest], error)
+
         async def attempt() -> list[Buffer]:
-            rest = [index for index in range(len(keys)) if index not in queued]
+            rest = _not_in(queued, len(keys))
             if not rest:
                 return []
 
@@ -303,13 +307,10 @@ class Fetcher:
         except (RemoteFileChanged, BatchUnsupported):
             raise
         except HubError as exc:
-            rest = [index for index in range(len(keys)) if index not in queued]
-            self._fail([keys[index] for index in rest], [flights[index] for index in rest], exc)
+            fail_rest(exc)
             return False
         except BaseException:  # cancelled: what is not queued is neither cached nor in flight
-            rest = [index for index in range(len(keys)) if index not in queued]
-            self._fail([keys[index] for index in rest], [flights[index] for index in rest],
-                       FetchAbandoned(f"fetch of {keys[0]} was cancelled"))
+            fail_rest(FetchAbandoned(f"fetch of {keys[0]} was cancelled"))
             raise
         return True
 
@@ -373,19 +374,12 @@ class Fetcher:
         flights: list[Flight],
         attempt: Callable[[], Awaitable[list[Buffer]]],
         request: _Request,
-        unsettled_on: tuple[type[HubError], ...] = (),
         deadline: float | None = None,
     ) -> list[Buffer] | None:
         """Fetch `keys` with `attempt` (retried until `deadline`, by default `fetch_timeout_s`
-        from now) and settle their flights; the blocks' bytes, None on failure.
-
-        The errors of `unsettled_on` are raised with the flights left open, for
-        a caller that fetches the blocks another way.
-        """
+        from now) and settle their flights; the blocks' bytes, None on failure."""
         try:
             pieces = await self._requests.with_retries(keys[0], attempt, deadline)
-        except unsettled_on:
-            raise
         except HubError as exc:
             self._fail(keys, flights, exc)
             return None
@@ -533,3 +527,8 @@ class Fetcher:
                     self._write_room.give_back(batch_bytes)
                     self._batch_written.set()
                     self._batch_written = trio.Event()
+
+
+def _not_in(indexes: set[int], count: int) -> list[int]:
+    """The indexes below `count` not in `indexes`, in order (a batch's files not queued yet)."""
+    return [index for index in range(count) if index not in indexes]
