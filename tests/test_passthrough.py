@@ -108,6 +108,26 @@ def test_passthrough_is_the_default(hub: HubProcess, dataset: Path, tmp_path: Pa
         assert moved == {"reads": 0, "passthrough_opens": 1}
 
 
+def test_small_files_fetched_ahead_are_read_by_the_kernel_from_their_first_open(hub: HubProcess, dataset: Path,
+                                                                              tmp_path: Path) -> None:
+    """A small file is verified as it is written to the cache (its bytes were just checked
+    against the hub's checksum): the siblings fetched ahead of their reads are read by the
+    kernel from their data files at their first open."""
+    directory = "small/dir 1"
+    names = sorted(os.listdir(dataset / directory))
+    siblings = len(names) - 1  # the first file's open prefetches exactly the rest of its directory
+    with mounted_spoke(hub.url, tmp_path, (*SPOKE_ARGS, "--prefetch-siblings", str(siblings), "--passthrough")) as spoke:
+        assert read_uncached(spoke.mountpoint / directory / names[0]) == (dataset / directory / names[0]).read_bytes()
+        wait_for_stats(spoke, lambda stats: stats["verified_files"] == len(names))
+        before = spoke.stats()
+        for name in names[1:]:
+            assert read_uncached(spoke.mountpoint / directory / name) == (dataset / directory / name).read_bytes()
+        after = spoke.stats()
+        assert after["reads"] == before["reads"]
+        assert after["passthrough_opens"] - before["passthrough_opens"] == siblings
+        assert {stat.S_IMODE(path.stat().st_mode) for path in cache_data_files(spoke.cache_dir)} == {0o400}
+
+
 def test_with_no_passthrough_the_daemon_serves_every_read(hub: HubProcess, dataset: Path, tmp_path: Path) -> None:
     source = (dataset / SHARD).read_bytes()
     with mounted_spoke(hub.url, tmp_path, (*SPOKE_ARGS, "--prefetch-siblings", "0", "--no-passthrough")) as spoke:
@@ -311,6 +331,40 @@ def test_a_verified_data_file_is_sealed_and_only_a_drop_unseals_it(cache: BlockC
     cache.remove(keys[0])
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and not cache.verified(FILE_ID, VERSION)
     assert cache.insert_many([(keys[0], b"\x01" * BLOCK, False)]) == 1
+
+
+def test_a_small_file_is_verified_and_sealed_as_it_is_inserted(cache: BlockCache) -> None:
+    """A file of one short block written through the page cache needs no read-back (it would
+    read the pages just written): once passthrough is on, inserting it verifies and seals it."""
+    small = BlockKey(b"\x03" * 8, VERSION, 0)
+    cache.insert_many([(small, b"\x05" * 100, False)])
+    assert not cache.verified(small.file_id, VERSION)  # passthrough off: nothing is marked
+    cache.verify_small_files_on_insert(True)
+    other = BlockKey(b"\x04" * 8, VERSION, 0)
+    whole_block = BlockKey(b"\x06" * 8, VERSION, 0)  # a file of one full block, or the first of several
+    keys = _insert_file(cache)  # a file of three blocks, its last short
+    assert cache.insert_many([(other, b"\x07" * 100, False), (whole_block, b"\x08" * BLOCK, False)]) == 2
+    assert cache.verified(other.file_id, VERSION)
+    assert stat.S_IMODE(os.stat(cache.store.path(other.file_id, VERSION)).st_mode) == 0o400
+    assert not cache.verified(whole_block.file_id, VERSION) and not cache.verified(FILE_ID, VERSION)
+    assert stat.S_IMODE(os.stat(cache.store.path(FILE_ID, VERSION)).st_mode) == 0o600
+    entry = cache.entry(other)
+    assert entry is not None and cache.read(other, entry) == b"\x07" * 100
+    # Its mark is dropped as any other: by a change of its entry, which unseals it first.
+    cache.remove(other)
+    assert not cache.verified(other.file_id, VERSION)
+    assert stat.S_IMODE(os.stat(cache.store.path(other.file_id, VERSION)).st_mode) == 0o600
+    # A file verified already is not read back by the background verification.
+    assert cache.insert_many([(small, b"\x05" * 100, False)]) == 1
+    cache.remove(keys[2])
+    read_back = []
+    store_read = cache.store.read
+    cache.store.read = lambda *args, **kwargs: read_back.append(args[0]) or store_read(*args, **kwargs)  # type: ignore[method-assign]
+    assert cache.verify_files([(small.file_id, VERSION, [100])]) == set()
+    assert read_back == []
+    cache.verify_small_files_on_insert(False)
+    assert cache.insert_many([(keys[2], b"\x03" * 100, False)]) == 1  # the last block of a larger file
+    assert not cache.verified(FILE_ID, VERSION)
 
 
 def test_reverification_finds_a_changed_block_in_steps_and_drops_only_it(cache: BlockCache) -> None:

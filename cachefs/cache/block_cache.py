@@ -121,6 +121,16 @@ class BlockCache:
         self._held_lock = threading.Lock()
         self._held: collections.Counter[tuple[bytes, bytes]] = collections.Counter()
         self._dropping: collections.Counter[tuple[bytes, bytes]] = collections.Counter()
+        self._verify_small_files = False
+
+    def verify_small_files_on_insert(self, on: bool) -> None:
+        """Whether a small file (one short block: a short block 0 is its file's last) written
+        through the page cache is verified for the kernel's direct reads as it is inserted,
+        without the read-back of verify_files: its bytes were checked against the hub's
+        checksum and written from that same buffer, so a read-back would read the pages
+        that write filled and prove nothing more. Other files are verified by verify_files:
+        blocks written with O_DIRECT are read back from the disk."""
+        self._verify_small_files = on
 
     def _drop_older_index(self) -> None:
         """A cache dir from an older cachefs: its block entries cannot be read, so its blocks go."""
@@ -222,7 +232,9 @@ class BlockCache:
                 if self._share is not None and admitted:  # claimed before written: the tenants never overshoot together
                     self._share.claim(self.index.used_bytes(), self.pinned_bytes(), sum(len(data) for _key, data in admitted))
             written = []
+            verified: list[BlockKey] = []
             for key, data in admitted:
+                buffered = self.store.buffered(len(data))  # before the write, which may turn O_DIRECT off
                 try:
                     self.store.write(key, data)
                 except SealedDataFile as exc:  # its verified bytes are on disk already
@@ -232,15 +244,20 @@ class BlockCache:
                     self._note_store_failure(exc)
                     continue
                 written.append((key, len(data), chunk_sums(data)))
+                if self._verify_small_files and key.blockno == 0 and len(data) < self.store.block_size and buffered:
+                    verified.append(key)
             if not written:
                 return 0
             try:
-                self.index.add(written)
+                self.index.add(written, set(verified), boot_id(), time.time())
             except lmdb.Error as exc:
                 for key, _length, _sums in written:
                     self.store.delete(key)
                 self._note_store_failure(exc)
                 return 0
+            for key in verified:  # after the commit, as verify_files does: a crash leaves it unsealed
+                self.store.seal(key.file_id, key.version)
+            self._stats.verified_files += len(verified)
             if self._share is not None:
                 self._share.note_used(self.index.used_bytes(), self.pinned_bytes())
         return len(written)
@@ -366,8 +383,10 @@ class BlockCache:
         """Read back every block of each file version (file id, version, block
         lengths) and check it against its sums (worker thread); mark those whose
         blocks are all there and match as verified for this boot, in one commit.
-        Returns the (file id, version) marked. A corrupt block is dropped."""
-        checked = [blocks for file_id, version, lengths in files if (blocks := self._check_file(file_id, version, lengths))]
+        Returns the (file id, version) marked. A corrupt block is dropped. One
+        verified already (a small file, as it was inserted) is not read again."""
+        checked = [blocks for file_id, version, lengths in files
+                   if not self.verified(file_id, version) and (blocks := self._check_file(file_id, version, lengths))]
         marked = self.index.mark_verified(checked, boot_id(), time.time()) if checked else []
         for file_id, version in marked:
             self.store.seal(file_id, version)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 
 from ..db import IndexDb
 from .keys import BlockKey
@@ -51,11 +51,15 @@ class BlockIndex:
         with self._db.env.begin(db=self._db.blocks) as txn:
             return [txn.get(key.packed()) is not None for key in keys]
 
-    def add(self, entries: list[tuple[BlockKey, int, bytes]]) -> None:
+    def add(self, entries: list[tuple[BlockKey, int, bytes]], verified: Container[BlockKey] = (),
+            boot_id: bytes = b"", at_s: float = 0.0) -> None:
         """Record blocks (key, length, chunk checksums) whose data is already on disk.
 
         One transaction, so one fsync for the whole batch; it is committed only
-        after the block files were written.
+        after the block files were written. A block in `verified` is its file
+        version's only block, verified as it was written: the version is recorded
+        verified during boot `boot_id` at `at_s` (see mark_verified); any other
+        block's version loses its record.
         """
         with self._db.env.begin(write=True) as txn:
             for key, length, chunk_sums in entries:
@@ -63,7 +67,10 @@ class BlockIndex:
                 old = txn.get(packed, db=self._db.blocks)
                 if old is not None:
                     self._forget(txn, packed, IndexEntry.unpack(old))
-                txn.delete(packed[:_FILE_VERSION_BYTES], db=self._db.verified)
+                if key in verified:
+                    txn.put(packed[:_FILE_VERSION_BYTES], _verified_value(boot_id, at_s), db=self._db.verified)
+                else:
+                    txn.delete(packed[:_FILE_VERSION_BYTES], db=self._db.verified)
                 seq = _counter(txn, self._db, _NEXT_SEQ)
                 txn.put(_NEXT_SEQ, _SEQ.pack(seq + 1), db=self._db.meta)
                 txn.put(packed, IndexEntry(length, seq, chunk_sums).pack(), db=self._db.blocks)

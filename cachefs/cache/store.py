@@ -155,11 +155,15 @@ class BlockStore:
             raise BlockingIOError(errno.EAGAIN, "partly on disk only")
         return buffer
 
+    def buffered(self, length: int) -> bool:
+        """Whether a block of `length` bytes is written through the page cache (not O_DIRECT)."""
+        return not self._direct or length % DIRECT_ALIGN != 0
+
     def write(self, key: BlockKey, data: BlockData) -> None:
         """Write a block in place (raises OSError, e.g. ENOSPC)."""
         path = self.path(key.file_id, key.version)
         offset = key.blockno * self.block_size
-        fd, direct = self._open_for_write(path, self._direct and len(data) % DIRECT_ALIGN == 0)
+        fd, direct = self._open_for_write(path, not self.buffered(len(data)))
         if not os.fstat(fd).st_mode & 0o200:  # root may write any mode: the seal is checked here
             os.close(fd)
             raise SealedDataFile(errno.EPERM, f"the data file of {key} is sealed")

@@ -9,12 +9,14 @@ scripts/install_passthrough_fuse.sh; lacking any of them, every open is
 served by the daemon as before.
 
 Such reads skip the daemon's per-read checksum checks, so a file version is
-handed to the kernel only when its cache holds every block and all were read
-back and verified since the machine booted (BlockCache.verify_files; this
-module verifies files in the background after they are read whole), its
-data file is then sealed read-only (store.py), its blocks are held out of
-eviction while it is open that way, and reverify.py re-hashes it on a
-period: one that changed on disk is `revoke`d.
+handed to the kernel only when its cache holds every block and all were
+verified since the machine booted: read back and checked (BlockCache.verify_files;
+this module verifies files in the background after they are read whole),
+or, a small file written through the page cache, checked as it was written
+(BlockCache.verify_small_files_on_insert, turned on here once the kernel
+takes backing files). Its data file is then sealed read-only (store.py), its
+blocks are held out of eviction while it is open that way, and reverify.py
+re-hashes it on a period: one that changed on disk is `revoke`d.
 
 Kernel rules kept here: every open of an inode already open in passthrough
 mode must name the same backing file (one backing id per inode, closed at
@@ -123,6 +125,7 @@ class Passthrough:
         except OSError as exc:
             self._give_up(exc)
             return
+        self._cache.verify_small_files_on_insert(True)
         log.info("FUSE passthrough: the kernel reads whole verified cached files directly")
 
     # -- opens and releases (trio thread) ---------------------------------------------
@@ -220,6 +223,7 @@ class Passthrough:
     def _give_up(self, exc: OSError) -> None:
         """The kernel refused a backing file: no passthrough for this mount."""
         self.enabled = False
+        self._cache.verify_small_files_on_insert(False)
         self._pending.clear()
         self._note_unavailable("not root" if exc.errno == errno.EPERM else str(exc.strerror))
 
