@@ -18,7 +18,8 @@
 #   2. builds pyfuse3 3.5.0 from its PyPI sdist with
 #      third_party/pyfuse3-3.5.0-passthrough.patch, linked to that libfuse.
 #      The patch also makes pyfuse3's main loop read /dev/fuse until it has
-#      no more requests before it waits in epoll (docs/performance.md).
+#      no more requests before it waits in epoll, and releases the GIL while
+#      a read's reply is copied to the kernel (docs/performance.md).
 # cachefs works with a stock pyfuse3 too; it then serves every read itself.
 set -euo pipefail
 
