@@ -383,7 +383,11 @@ def test_read_ahead_claims_are_bounded_in_count_and_age() -> None:
     for key in keys[2:]:
         claims.add(key, now=61)
     assert claims.current(61) == set(keys[2:])  # at most 3: the oldest is forgotten
-    assert claims.pop(keys[3]) and not claims.pop(keys[3]) and keys[3] not in claims
+    claims.add(keys[2], now=62)  # asked for again: the newest now
+    claims.add(keys[1], now=62)
+    assert claims.current(62) == {keys[1], keys[2], keys[4]}
+    assert claims.pop(keys[4]) and not claims.pop(keys[4]) and keys[4] not in claims
+    assert claims.current(121.9) == {keys[1], keys[2]} and claims.current(122) == set()
 
 
 @pytest.mark.trio

@@ -515,18 +515,28 @@ class Fetcher:
                 batch_bytes = sum(len(data) for _key, data, _force in batch)
                 kept = [item for item in batch if item[0] not in self._discarded]
                 ahead = self._claims.current(trio.current_time())  # read ahead, not read yet: offered or cached
+                cached: set[BlockKey] = set()
                 try:
                     if kept:
-                        await trio.to_thread.run_sync(self._cache.insert_many, kept, ahead)
+                        cached = await trio.to_thread.run_sync(self._insert, kept, ahead)
                 finally:
                     for key, _data, _force in batch:
                         self._flights.pop(key, None)
-                        # Only a read-ahead block waiting for its read needs to know whether it is cached.
-                        self._settled(key, cached=key in ahead and self._cache.contains(key))
+                        self._settled(key, cached=key in cached)
                         self._discarded.discard(key)
                     self._write_room.give_back(batch_bytes)
                     self._batch_written.set()
                     self._batch_written = trio.Event()
+
+
+    def _insert(self, blocks: list[_Written], ahead: frozenset[BlockKey]) -> set[BlockKey]:
+        """Worker thread: cache the blocks; returns those read ahead (in `ahead`) that are
+        now cached: only a read-ahead block waiting for its read needs to know."""
+        self._cache.insert_many(blocks, ahead)
+        waiting = [key for key, _data, _force in blocks if key in ahead]
+        if not waiting:
+            return set()
+        return {key for key, cached in zip(waiting, self._cache.contains_each(waiting), strict=True) if cached}
 
 
 def _not_in(indexes: set[int], count: int) -> list[int]:

@@ -276,14 +276,17 @@ class Passthrough:
     def _next_batch(self) -> list[tuple[Inode, int]]:
         """Due files (with their retry), oldest first, up to a batch's count and bytes."""
         batch: list[tuple[Inode, int]] = []
+        taken = []
         size = 0
         now = trio.current_time()
-        for key, (inode, due, retry) in list(self._pending.items()):
+        for key, (inode, due, retry) in self._pending.items():  # not copied: up to 4096 files wait
             if due > now or (batch and (len(batch) >= VERIFY_BATCH_FILES or size >= VERIFY_BATCH_BYTES)):
                 break
-            del self._pending[key]
+            taken.append(key)
             batch.append((inode, retry))
             size += inode.size
+        for key in taken:
+            del self._pending[key]
         return batch
 
     def _verify(self, inodes: list[Inode]) -> set[tuple[bytes, bytes]]:

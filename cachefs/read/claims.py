@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import collections
-
 from ..cache import BlockKey
 
 # A claim (admission counts the block's coming read; its read counts as
@@ -24,13 +22,15 @@ class ReadAheadClaims:
     def __init__(self, limit: int = CLAIMS_REMEMBERED, max_age_s: float = CLAIM_MAX_AGE_S) -> None:
         self._limit = limit
         self._max_age_s = max_age_s
-        self._asked: collections.OrderedDict[BlockKey, float] = collections.OrderedDict()
+        # A plain dict (in insertion order), not an OrderedDict: `current` copies it once
+        # per cache write, and a set is made from a dict with the hashes it stores.
+        self._asked: dict[BlockKey, float] = {}
 
     def add(self, key: BlockKey, now: float) -> None:
-        self._asked[key] = now
-        self._asked.move_to_end(key)
+        self._asked.pop(key, None)
+        self._asked[key] = now  # the newest last
         while len(self._asked) > self._limit:
-            self._asked.popitem(last=False)
+            del self._asked[next(iter(self._asked))]
         self._expire(now)
 
     def pop(self, key: BlockKey) -> bool:
@@ -46,5 +46,9 @@ class ReadAheadClaims:
         return frozenset(self._asked)
 
     def _expire(self, now: float) -> None:
-        while self._asked and now - next(iter(self._asked.values())) >= self._max_age_s:
-            self._asked.popitem(last=False)
+        asked = self._asked
+        while asked:
+            oldest = next(iter(asked))
+            if now - asked[oldest] < self._max_age_s:
+                return
+            del asked[oldest]

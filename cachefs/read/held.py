@@ -188,11 +188,15 @@ class HeldBlocks:
 
     def expire(self, owner: Owner, now: float, age_s: float) -> None:
         """Drop the owner's blocks held `age_s` or longer (not those being written)."""
-        for key, held in self.keys_of(owner):
+        expired = []
+        for key in self._order[owner]:  # oldest first: only the expired ones are looked at
+            held = self._entries[key]
             if now - held.since_s < age_s:
                 break
             if not held.writing:
-                self.drop(key)
+                expired.append(key)
+        for key in expired:
+            self.drop(key)
 
     # -- shares ---------------------------------------------------------------------
 
