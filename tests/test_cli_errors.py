@@ -41,6 +41,15 @@ def test_malformed_url(tmp_path: Path, url: str, fragment: str) -> None:
     assert_clean_failure(run_cachefs("mount", url, tmp_path / "mnt", "--cache-dir", tmp_path / "c"), fragment)
 
 
+def test_passthrough_is_refused_for_an_nfs_export(hub, tmp_path: Path) -> None:
+    """An NFS export's handles of a file a refresh changed must fail; a file open in
+    passthrough mode would read on in its old version."""
+    (tmp_path / "mnt").mkdir()
+    result = run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", tmp_path / "c", "--nfs-export", "--passthrough")
+    assert_clean_failure(result, "--passthrough cannot be used with --nfs-export")
+    assert not is_mounted(tmp_path / "mnt")
+
+
 def test_mountpoint_missing_or_not_a_directory(hub, tmp_path: Path) -> None:
     assert_clean_failure(run_cachefs("mount", hub.url, tmp_path / "nope", "--cache-dir", tmp_path / "c"), "does not exist")
     (tmp_path / "file").write_text("x")

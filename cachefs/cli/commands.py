@@ -137,8 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--passthrough", action=argparse.BooleanOptionalAction, default=None,
         help="let the kernel read whole, verified cached files straight from the cache (FUSE passthrough: local disk "
         "speed; each file is verified whole first, sealed read-only and re-verified every --reverify-interval). "
-        "Default: on where the kernel and pyfuse3 allow it; off, or where they do not, the daemon serves and "
-        "checks every read",
+        "Default: on where the kernel and pyfuse3 allow it, except with --nfs-export; off, or where they do not, "
+        "the daemon serves and checks every read",
     )
     mount.add_argument(
         "--reverify-interval", type=float, default=86400.0, metavar="SECONDS",
@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument(
         "--nfs-export", action="store_true",
         help="for a mount served over NFS (`cachefs export`): a file changed by a refresh gets new file handles, its "
-        "old ones answer ESTALE; default: files open before a refresh keep reading their version",
+        "old ones answer ESTALE (so the daemon serves every read: no passthrough); default: files open before a "
+        "refresh keep reading their version",
     )
     mount.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground and log to stderr")
     mount.add_argument("--debug", action="store_true", help="verbose logging")
@@ -218,6 +219,17 @@ def _check_seconds(option: str, value: float | None) -> None:
         raise UsageError(f"invalid {flag} {value:g}: a positive number of seconds, at most {MAX_SECONDS:,}")
 
 
+def _passthrough_mode(asked: bool | None, nfs_export: bool) -> PassthroughMode:
+    """Off for an NFS export: a file open in passthrough mode reads its data file until it is
+    closed, so Ganesha's open of a version a refresh replaced could not fail (ESTALE)."""
+    if nfs_export:
+        if asked:
+            raise UsageError("--passthrough cannot be used with --nfs-export: the NFS handles of a file a refresh "
+                             "changed must fail, and the kernel's direct reads cannot be stopped")
+        return PassthroughMode.OFF
+    return {None: PassthroughMode.AUTO, True: PassthroughMode.ON, False: PassthroughMode.OFF}[asked]
+
+
 def _config_from_args(args: argparse.Namespace) -> MountConfig:
     if args.max_connections < 1:
         raise UsageError("--max-connections must be at least 1")
@@ -262,7 +274,7 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
         file_mode=parse_mode(args.file_mode) if args.file_mode is not None else None,
         dir_mode=parse_mode(args.dir_mode) if args.dir_mode is not None else None,
         nfs_export=args.nfs_export,
-        passthrough={None: PassthroughMode.AUTO, True: PassthroughMode.ON, False: PassthroughMode.OFF}[args.passthrough],
+        passthrough=_passthrough_mode(args.passthrough, args.nfs_export),
         reverify_interval_s=args.reverify_interval,
         reverify_rate_bytes=parse_size(args.reverify_rate),
         foreground=args.foreground,
