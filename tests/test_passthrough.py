@@ -119,13 +119,14 @@ def test_small_files_fetched_ahead_are_read_by_the_kernel_from_their_first_open(
     with mounted_spoke(hub.url, tmp_path, (*SPOKE_ARGS, "--prefetch-siblings", str(siblings), "--passthrough")) as spoke:
         assert read_uncached(spoke.mountpoint / directory / names[0]) == (dataset / directory / names[0]).read_bytes()
         wait_for_stats(spoke, lambda stats: stats["verified_files"] == len(names))
+        # Sealed, every one (the reads below prefetch the next directory: not yet).
+        assert {stat.S_IMODE(path.stat().st_mode) for path in cache_data_files(spoke.cache_dir)} == {0o400}
         before = spoke.stats()
         for name in names[1:]:
             assert read_uncached(spoke.mountpoint / directory / name) == (dataset / directory / name).read_bytes()
         after = spoke.stats()
         assert after["reads"] == before["reads"]
         assert after["passthrough_opens"] - before["passthrough_opens"] == siblings
-        assert {stat.S_IMODE(path.stat().st_mode) for path in cache_data_files(spoke.cache_dir)} == {0o400}
 
 
 def test_with_no_passthrough_the_daemon_serves_every_read(hub: HubProcess, dataset: Path, tmp_path: Path) -> None:
