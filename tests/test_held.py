@@ -99,6 +99,22 @@ def test_an_evict_drops_held_blocks_but_not_those_on_their_way_to_the_cache() ->
     assert held.get(key(1)) is None
 
 
+def test_a_file_the_kernel_reads_directly_drops_its_read_ahead_blocks_but_not_others() -> None:
+    held = HeldBlocks(memory_budget(default_config()))
+    other_file = BlockKey(b"g" * 8, b"v" * 8, 0)
+    other_version = BlockKey(b"f" * 8, b"w" * 8, 0)
+    for ahead in (key(0), key(1), key(2), other_file, other_version):
+        held.arrived(ahead, b"r" * BLOCK, Owner.READ_AHEAD, now=0)
+    for written in (key(0), key(1), other_file, other_version):
+        held.settled(written, now=1, cached=True, claimed=True, discarded=False)
+    held.remember(key(3), b"d" * BLOCK, now=1)
+    assert held.drop_read_ahead(b"f" * 8, b"v" * 8) == [key(0), key(1)]
+    assert held.get(key(0)) is None and held.get(key(1)) is None
+    # One still on its way to the cache, another file's or version's, and a reader's stay.
+    assert all(held.get(kept) is not None for kept in (key(2), other_file, other_version, key(3)))
+    assert held.bytes_of(Owner.READ_AHEAD) == 3 * BLOCK
+
+
 def test_missing_runs_checks_each_block_only_when_its_stretch_comes() -> None:
     present = {2, 5}
     checked: list[int] = []

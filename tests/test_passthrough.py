@@ -19,7 +19,7 @@ import trio
 from cache_helpers import block_cache
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE
-from hub_helpers import HubProcess, hub_health, running_hub, wait_for_generation_change
+from hub_helpers import HubProcess, free_port, hub_health, running_hub, wait_for_generation_change
 from mount_helpers import (
     SpokeMount,
     cache_data_files,
@@ -27,6 +27,7 @@ from mount_helpers import (
     mounted_spoke,
     read_uncached,
     run_cachefs,
+    spoke_metrics,
     wait_for_stats,
 )
 
@@ -112,11 +113,13 @@ def test_small_files_fetched_ahead_are_read_by_the_kernel_from_their_first_open(
                                                                               tmp_path: Path) -> None:
     """A small file is verified as it is written to the cache (its bytes were just checked
     against the hub's checksum): the siblings fetched ahead of their reads are read by the
-    kernel from their data files at their first open."""
+    kernel from their data files at their first open, and the daemon stops holding them."""
     directory = "small/dir 1"
     names = sorted(os.listdir(dataset / directory))
     siblings = len(names) - 1  # the first file's open prefetches exactly the rest of its directory
-    with mounted_spoke(hub.url, tmp_path, (*SPOKE_ARGS, "--prefetch-siblings", str(siblings), "--passthrough")) as spoke:
+    port = free_port()
+    args = (*SPOKE_ARGS, "--prefetch-siblings", str(siblings), "--passthrough", "--metrics-listen", f"127.0.0.1:{port}")
+    with mounted_spoke(hub.url, tmp_path, args) as spoke:
         assert read_uncached(spoke.mountpoint / directory / names[0]) == (dataset / directory / names[0]).read_bytes()
         wait_for_stats(spoke, lambda stats: stats["verified_files"] == len(names))
         # Sealed, every one (the reads below prefetch the next directory: not yet).
@@ -127,6 +130,12 @@ def test_small_files_fetched_ahead_are_read_by_the_kernel_from_their_first_open(
         after = spoke.stats()
         assert after["reads"] == before["reads"]
         assert after["passthrough_opens"] - before["passthrough_opens"] == siblings
+        assert after["readahead_used"] - before["readahead_used"] == siblings  # read, by the kernel
+        # Those reads prefetched the next directory, held for its reads; none of this one is held.
+        settled = wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == stats["fetched_bytes"])
+        this_directory = sum((dataset / directory / name).stat().st_size for name in names)
+        held = spoke_metrics(port)['cachefs_held_block_bytes{owner="read-ahead"}']
+        assert held <= settled["fetched_bytes"] - this_directory
 
 
 def test_with_no_passthrough_the_daemon_serves_every_read(hub: HubProcess, dataset: Path, tmp_path: Path) -> None:

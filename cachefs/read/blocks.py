@@ -66,6 +66,11 @@ class BlockSource:
         self._disk_readers = trio.CapacityLimiter(DISK_READ_THREADS)
         self._small_reads = SmallDiskReads(INLINE_DISK_READ_S)
 
+    def read_by_kernel(self, file_id: bytes, version: bytes) -> list[BlockKey]:
+        """A file version is read by the kernel from the cache (passthrough): the blocks read
+        ahead for it are no longer held for a read of ours. Returns their keys."""
+        return self._held.drop_read_ahead(file_id, version)
+
     async def get(self, key: BlockKey, start: int, length: int) -> BlockData:
         """The block at byte `start` of its file, `length` bytes long (raises HubError when the hub cannot give it)."""
         data = self._held.use(key, trio.current_time())

@@ -158,6 +158,15 @@ class HeldBlocks:
         self._trim_demand()
         return held.data
 
+    def drop_read_ahead(self, file_id: bytes, version: bytes) -> list[BlockKey]:
+        """Drop a file version's blocks held for their first read (those written already): the
+        kernel reads the file from the cache itself (passthrough). Returns their keys."""
+        dropped = [key for key in self._order[Owner.READ_AHEAD]
+                   if key.file_id == file_id and key.version == version and not self._entries[key].writing]
+        for key in dropped:
+            self.drop(key)
+        return dropped
+
     def remember(self, key: BlockKey, data: BlockData, now: float) -> None:
         """A block a reader just read from disk, as DEMAND's most recently used."""
         if key not in self._entries:

@@ -57,6 +57,14 @@ class Reader:
     def open(self, inode: Inode, pid: int, *, passthrough: bool) -> OpenFile:
         """A new handle of a file (`passthrough`: the kernel reads its data file itself)."""
         self._readahead.opened(inode, passthrough=passthrough)
+        if passthrough:
+            # The kernel reads it: what read-ahead fetched for it is used, and need not be held
+            # (small files fetched ahead are verified as they are cached, before their first open).
+            used = set(self._source.read_by_kernel(inode.file_id, inode.version))
+            if inode.block_count(self.block_size) == 1:
+                used.add(BlockKey(inode.file_id, inode.version, 0))  # its writer may not have settled it yet
+            for key in used:
+                self._claim_spent(key)
         return OpenFile(inode, pid=pid)
 
     async def read(self, handle: OpenFile, offset: int, size: int) -> bytes | memoryview:
