@@ -528,7 +528,6 @@ class Fetcher:
                     self._batch_written.set()
                     self._batch_written = trio.Event()
 
-
     def _insert(self, blocks: list[_Written], ahead: frozenset[BlockKey]) -> set[BlockKey]:
         """Worker thread: cache the blocks; returns those read ahead (in `ahead`) that are
         now cached: only a read-ahead block waiting for its read needs to know."""
