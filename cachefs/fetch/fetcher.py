@@ -294,10 +294,7 @@ class Fetcher:
 
             async def verified(position: int, data: Buffer) -> None:
                 index = rest[position]
-                self._hand_over(keys[index], flights[index], data, _READ_AHEAD, index)
-                with deadline.paused():
-                    await self._write_room.take(len(data))
-                self._write_send.send_nowait((keys[index], data, _READ_AHEAD.force_admission))
+                await self._hand_over_and_queue(keys[index], flights[index], data, _READ_AHEAD, index, deadline)
                 queued.add(index)
 
             return await self._requests.batch([keys[index] for index in rest], [lengths[index] for index in rest], verified)
@@ -415,11 +412,7 @@ class Fetcher:
                 position = first + index
                 if position < queued:
                     return  # queued already (a source failed part way and another sends it again)
-                key = keys[position]
-                self._hand_over(key, flights[position], data, request, position)
-                with deadline.paused():
-                    await self._write_room.take(len(data))
-                self._write_send.send_nowait((key, data, request.force_admission))
+                await self._hand_over_and_queue(keys[position], flights[position], data, request, position, deadline)
                 queued = position + 1
 
             return await self._requests.range(keys[first], offsets[first], list(lengths[first:]), verified)
@@ -451,6 +444,16 @@ class Fetcher:
             for key, flight in zip(keys[queued:], flights[queued:], strict=True):
                 self._forget(key, flight)
             raise
+
+    async def _hand_over_and_queue(
+        self, key: BlockKey, flight: Flight, data: BlockData, request: _Request, index: int, deadline: Deadline
+    ) -> None:
+        """A streamed block (or small file) that passed its check: handed over, then queued for the
+        cache writer once it has room (that wait does not count against the fetch's `deadline`)."""
+        self._hand_over(key, flight, data, request, index)
+        with deadline.paused():
+            await self._write_room.take(len(data))
+        self._write_send.send_nowait((key, data, request.force_admission))
 
     def _hand_over(self, key: BlockKey, flight: Flight, data: BlockData, request: _Request, index: int) -> None:
         """A block's verified bytes into the held-block store, for whoever waits for it, once."""
