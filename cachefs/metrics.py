@@ -154,7 +154,7 @@ _GAUGES = {  # name -> help
     "cachefs_write_queue_bytes": "Fetched bytes queued for the cache writer or being written",
     "cachefs_write_waiting_fetches": "Fetches holding fetched bytes while they wait for the cache writer's room",
     "cachefs_block_buffer_bytes": "Block-sized buffers in use (slots of the block buffer pool)",
-    "cachefs_block_buffer_resident_bytes": "Memory of the block buffer pool's slots filled since the last idle trim",
+    "cachefs_block_buffer_resident_bytes": "Memory of the block buffer pool's slots filled since their last trim",
     "cachefs_plans_active": "Loader plans being followed",
     "cachefs_plan_lookahead_blocks": "Blocks fetched ahead of the readers along the plans",
     "cachefs_time_to_warm_seconds": "Time from the first read until the hit ratio stayed at 95 % or more (-1: not warm yet)",
