@@ -47,6 +47,15 @@ PHASE_LEGEND = (
 )
 
 
+NODE_CPU_LEGEND = (
+    "What reading the data cost the node, per GB read in each workload: the CPU time of `cachefs bench`'s "
+    "readers (its threads and the loader's worker processes, in user and kernel mode) plus the daemon's; in "
+    "brackets readers + daemon. Local disk has only its readers. The readers' kernel time includes reading "
+    "from the disk what the daemon did not read ahead for them, so a daemon that pages files in for its "
+    "readers moves CPU from their side to its own."
+)
+
+
 PHASE_RSS_LEGEND = (
     "The daemon's peak resident memory in each workload: `cachefs bench` resets the daemon's peak (VmHWM) as each "
     "workload starts. The peak RSS of a run, above, is the highest of them and of the time between."
@@ -171,6 +180,8 @@ def render_run(results: dict[str, Any], numbers: str | None = None, plot: str | 
                   for result in scenario.get("results", {}).get("workloads", {}).values()]
         if any("daemon" in result for result in phases):
             lines += ["", report.phase_cpu_table(results["scenarios"]), "", PHASE_LEGEND]
+        if any("readers_cpu_s" in result for result in phases):
+            lines += ["", report.node_cpu_table(results["scenarios"]), "", NODE_CPU_LEGEND]
         if any(report.phase_peak_rss_kib(result) for result in phases):
             lines += ["", report.phase_rss_table(results["scenarios"]), "", PHASE_RSS_LEGEND]
         if side_by_side := side_by_side_section(results["scenarios"]):

@@ -134,6 +134,9 @@ def test_cli_writes_json_and_a_table(local_dataset: Path, tmp_path: Path, capsys
     assert set(results["workloads"]) == set(bench_cli.WORKLOADS)
     assert results["stats_before"] is None  # not a cachefs mount
     assert bytes_read(results) > 0
+    # Every workload carries its readers' CPU; the loader's includes its worker processes'.
+    assert all(result["readers_cpu_s"] >= 0 for result in results["workloads"].values())
+    assert results["workloads"]["seq4"]["readers_cpu_s"] > 0
     table = capsys.readouterr().out
     assert "sequential, 4 threads" in table and "loader epoch 2" in table
     assert bench_cli.main([str(local_dataset), "--workloads", "seq1,nope"]) == 2
@@ -407,6 +410,27 @@ def test_cpu_targets_judge_every_phase_on_its_own_basis() -> None:
     table = report.phase_cpu_table([cold, warm])
     assert "| cachefs capped cold (per GB fetched) | 2.5 (1.5) | – | (500.0 (500.0), 10 MB) |" in table
     assert "| cachefs capped warm (per GB read) | 0.4 (0.3) |" in table
+
+
+def test_node_cpu_adds_the_readers_and_the_daemon_per_gb_read() -> None:
+    local = _scenario("local", None, "", 2000, 0.1, 800)
+    warm = _scenario("cachefs", "capped", "warm", 1900, 0.15, 790)
+    peer = _scenario("rclone", "capped", "warm", 1000, 0.5, 700)
+    local["name"] = "local disk"
+    gb = 1_000_000_000
+    local["results"]["workloads"]["small"].update(bytes_read=2 * gb, readers_cpu_s=5.0)
+    warm["results"]["workloads"]["small"].update(bytes_read=2 * gb, readers_cpu_s=2.6,
+                                                 daemon={"cpu_s": 2.4, "loop_cpu_s": 2.4, "fetched_bytes": 0})
+    warm["results"]["workloads"]["rand4k"].update(bytes_read=gb // 1000, readers_cpu_s=0.1,
+                                                  daemon={"cpu_s": 0.05, "loop_cpu_s": 0.05, "fetched_bytes": 0})
+    peer["results"]["workloads"]["small"].update(bytes_read=gb, readers_cpu_s=1.0)
+    assert report.phase_node_cpu(warm["results"]["workloads"]["small"]) == (1.3, 1.2, 2 * gb)
+    assert report.phase_node_cpu(warm["results"]["workloads"]["seq1"]) is None  # readers' CPU not recorded
+    table = report.node_cpu_table([local, warm, peer])
+    # Columns: seq 1T, seq 4T, 4 KiB, 16 KiB, small files, loader (the walk reads no bytes).
+    assert "| local disk | – | – | – | – | 2.5 | – |" in table
+    assert "| cachefs capped warm | – | – | (150.0 (100.0 + 50.0), 1 MB) | – | 2.5 (1.3 + 1.2) | – |" in table
+    assert "rclone" not in table  # its daemon's CPU is not measured per workload
 
 
 def test_the_rss_target_names_the_workload_that_peaked() -> None:

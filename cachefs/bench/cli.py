@@ -16,6 +16,7 @@ import datetime
 import json
 import logging
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -112,6 +113,16 @@ def daemon_usage(before: dict[str, Any] | None, after: dict[str, Any] | None) ->
             "fetched_bytes": after["fetched_bytes"] - before["fetched_bytes"]}
 
 
+def readers_cpu_seconds() -> float:
+    """CPU seconds this process and its reaped children (the loader's workers) have used: the
+    readers' side of a workload, in user and kernel mode."""
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
+
+
 def _selected(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in WORKLOADS]
@@ -197,7 +208,9 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         began = time.monotonic()
         if peaks:
             peaks.start()
+        readers_before = readers_cpu_seconds()
         result = run_workload(name, dataset, args, budget)
+        result["readers_cpu_s"] = readers_cpu_seconds() - readers_before
         after = mount_stats(args.path)
         if usage := daemon_usage(stats, after):
             result["daemon"] = usage

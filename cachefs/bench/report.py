@@ -212,6 +212,37 @@ def phase_cpu_table(scenarios: Sequence[dict[str, Any]]) -> str:
     return _table(["daemon CPU-s per GB (event loop's)", *(label for _, label in PHASES)], rows)
 
 
+def phase_node_cpu(result: dict[str, Any] | None) -> tuple[float, float | None, int] | None:
+    """CPU-s per GB read of one workload's readers and of the daemon serving them (None off
+    cachefs), and the bytes read. None where the readers' CPU was not recorded or nothing was read."""
+    if not result or "readers_cpu_s" not in result:
+        return None
+    basis = workload_bytes_read(result)
+    if basis <= 0:
+        return None
+    usage = result.get("daemon")
+    return result["readers_cpu_s"] * 1e9 / basis, usage["cpu_s"] * 1e9 / basis if usage else None, basis
+
+
+def _node_cell(result: dict[str, Any] | None) -> str:
+    figures = phase_node_cpu(result)
+    if figures is None:
+        return "–"
+    readers, daemon, basis = figures
+    cell = _fmt(readers, 1) if daemon is None else f"{_fmt(readers + daemon, 1)} ({_fmt(readers, 1)} + {_fmt(daemon, 1)})"
+    return cell if basis >= MIN_PHASE_BYTES else f"({cell}, {_fmt(basis / 1e6)} MB)"
+
+
+def node_cpu_table(scenarios: Sequence[dict[str, Any]]) -> str:
+    """CPU-s per GB read in each workload, the readers' and the cachefs daemon's together: what
+    reading the data costs the node, local disk's readers alone beside it."""
+    rows = [[scenario["name"], *(_node_cell(scenario["results"]["workloads"].get(name))
+                                 for name, _ in PHASES if name != "walk")]
+            for scenario in scenarios
+            if scenario["system"] in ("local", "cachefs") and "results" in scenario]
+    return _table(["CPU-s per GB read: readers + daemon", *(label for name, label in PHASES if name != "walk")], rows)
+
+
 def phase_peak_rss_kib(result: dict[str, Any] | None) -> int | None:
     """The daemon's peak RSS in one workload (cachefs bench resets it as each starts), in KiB."""
     return ((result or {}).get("daemon") or {}).get("peak_rss_kib")
