@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import gzip
 import json
+import os
 import tracemalloc
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,7 +17,7 @@ import trio
 from hub_helpers import read_request_head
 
 from cachefs.config import parse_hub_url
-from cachefs.errors import HubError, HubProtocolError
+from cachefs.errors import HubError, HubProtocolError, HubUnavailable, RemoteFileChanged
 from cachefs.fetch.hub_client import HubClient
 from cachefs.namespace.snapshots import download_manifest
 
@@ -189,5 +190,103 @@ async def test_a_manifest_must_keep_to_its_header(raw_hub, tmp_path: Path) -> No
         raw_hub(b"Content-Length: %d\r\n" % len(body), sender(body))
         with pytest.raises(HubProtocolError, match="header has no generation"):
             await download_manifest(client, tmp_path / "m.gz", None)  # before: "already loaded" (None == None)
+    finally:
+        await client.aclose()
+
+
+# -- block bodies -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def scripted_hub(nursery: trio.Nursery) -> AsyncIterator[Callable[[list[tuple[bytes, Body]]], str]]:
+    """Answer the requests of one keep-alive connection with the scripted (head, body) answers, in
+    turn, and keep it open until the client closes it."""
+    script: list[tuple[bytes, Body]] = []
+
+    async def handler(stream: trio.SocketStream) -> None:
+        async with stream:
+            try:
+                while script and await read_request_head(stream) is not None:
+                    head, body = script.pop(0)
+                    await stream.send_all(head)
+                    await body(stream)
+                while await stream.receive_some(4096):  # keep the connection open until the client closes it
+                    pass
+            except trio.BrokenResourceError:
+                pass
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+
+    def serve(answers: list[tuple[bytes, Body]]) -> str:
+        script.extend(answers)
+        return f"http://127.0.0.1:{port}"
+
+    yield serve
+
+
+def range_head(data: bytes) -> bytes:
+    return b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-%d/%d\r\nContent-Length: %d\r\n\r\n" % (
+        len(data) - 1, len(data), len(data))
+
+
+BLOCK = os.urandom(256 << 10)
+
+
+@pytest.mark.trio
+async def test_a_block_that_trickles_in_slower_than_the_read_timeout_arrives_whole(scripted_hub) -> None:
+    """A receive sleeps until the rest of its piece is there (SO_RCVLOWAT): bytes that keep coming,
+    too few to finish the piece within a read timeout, are not taken for a silent hub."""
+
+    async def trickle(stream: trio.SocketStream) -> None:
+        for offset in range(0, len(BLOCK), 8 << 10):  # 32 pieces, ~1 s
+            await stream.send_all(BLOCK[offset : offset + (8 << 10)])
+            await trio.sleep(0.03)
+
+    url = scripted_hub([(range_head(BLOCK), trickle), (range_head(BLOCK), sender(BLOCK))])
+    client = HubClient(parse_hub_url(url), max_connections=1, connect_timeout_s=5, read_timeout_s=0.3)
+    try:
+        for _ in range(2):  # and the connection goes on
+            pieces, _sums = await client.get_range("f", "v", 0, [len(BLOCK) // 2, len(BLOCK) // 2])
+            assert b"".join(pieces) == BLOCK
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.trio
+async def test_a_hub_silent_in_the_middle_of_a_block_is_given_up_after_the_read_timeout(scripted_hub) -> None:
+    async def half_then_silence(stream: trio.SocketStream) -> None:
+        await stream.send_all(BLOCK[: len(BLOCK) // 3])
+        await trio.sleep_forever()
+
+    client = HubClient(parse_hub_url(scripted_hub([(range_head(BLOCK), half_then_silence)])), max_connections=1,
+                       connect_timeout_s=5, read_timeout_s=0.3)
+    started = trio.current_time()
+    try:
+        with pytest.raises(HubUnavailable, match="hub sent nothing for 0.3 s"):
+            await client.get_range("f", "v", 0, [len(BLOCK)])
+    finally:
+        await client.aclose()
+    assert trio.current_time() - started < 2
+
+
+@pytest.mark.trio
+async def test_a_short_answer_after_a_block_on_the_same_connection_comes_at_once(scripted_hub) -> None:
+    """After a body the socket wakes for any byte again: an answer shorter than the last piece
+    (a 412 head) is read as it comes, not after the read timeout."""
+
+    async def nothing(stream: trio.SocketStream) -> None:
+        return None
+
+    url = scripted_hub([(range_head(BLOCK), sender(BLOCK)),
+                        (b"HTTP/1.1 412 Precondition Failed\r\nContent-Length: 0\r\n\r\n", nothing)])
+    client = HubClient(parse_hub_url(url), max_connections=1, connect_timeout_s=5, read_timeout_s=3)
+    try:
+        pieces, _sums = await client.get_range("f", "v", 0, [len(BLOCK)])
+        assert bytes(pieces[0]) == BLOCK
+        started = trio.current_time()
+        with pytest.raises(RemoteFileChanged):
+            await client.get_range("f", "v", 0, [len(BLOCK)])
+        assert trio.current_time() - started < 1
     finally:
         await client.aclose()

@@ -8,10 +8,13 @@ hands.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import re
+import socket
 import ssl
+import termios
 import zlib
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, NotRequired, TypedDict
@@ -27,6 +30,10 @@ from .hub import PieceSink
 log = logging.getLogger(__name__)
 
 RECEIVE_BYTES = 1 << 20  # receive up to 1 MiB per syscall: fewer wakeups per block
+# A body's receive on plain TCP sleeps until the rest of the piece it fills (a
+# block, a small file) has arrived, up to this much (SO_RCVLOWAT): one wakeup
+# per piece rather than one per burst the network delivers.
+WAKE_BYTES = 1 << 20
 # A response head is read in small receives, so that little of the body
 # lands in h11's buffer (bodies of ranges bypass it).
 RECEIVE_HEAD_BYTES = 16 * 1024
@@ -50,6 +57,8 @@ class _Connection:
         self.stream = stream
         self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=64 * 1024)
         self._body_bypassed = False
+        self._wake_bytes = 1  # the socket's SO_RCVLOWAT (plain TCP only)
+        self._trickling = False  # less than a piece's rest came in a read timeout: wake for any byte
 
     async def send(self, event: h11.Request | h11.EndOfMessage) -> None:
         data = self.h11.send(event)
@@ -87,6 +96,19 @@ class _Connection:
         is taken (`take(length)`) only when its turn comes, so a body handed on piece by
         piece (`keep=False`) holds one piece in memory, not all of them.
         """
+        try:
+            return await self._read_pieces_into(lengths, read_timeout_s, on_filled, keep, take)
+        finally:
+            self._wake_after(1)  # the next answer's head may be shorter than any piece
+
+    async def _read_pieces_into(
+        self,
+        lengths: Sequence[int],
+        read_timeout_s: float,
+        on_filled: Callable[[int, Buffer], Awaitable[None]] | None,
+        keep: bool,
+        take: Callable[[int], Buffer],
+    ) -> tuple[list[Buffer], int]:
         self._body_bypassed = True
         buffered = self._drain_h11_body()
         total = 0
@@ -106,6 +128,9 @@ class _Connection:
                 with trio.move_on_after(read_timeout_s) as scope:
                     received = await self._receive_into(view[filled:])
                 if scope.cancelled_caught:
+                    if self._wake_bytes > 1 and self._unread_bytes():
+                        self._trickling = True  # bytes came, fewer than the piece's rest: not silence
+                        continue
                     raise HubUnavailable(f"hub sent nothing for {read_timeout_s:g} s")
                 if received == 0:
                     return kept, total + filled
@@ -121,12 +146,34 @@ class _Connection:
         return kept, total
 
     async def _receive_into(self, view: memoryview) -> int:
-        """recv_into on plain TCP (no copy); TLS streams decrypt into a chunk that is copied."""
+        """recv_into on plain TCP (no copy), woken once the rest of the piece is there (up to
+        WAKE_BYTES); TLS streams decrypt into a chunk that is copied."""
         if isinstance(self.stream, trio.SocketStream):
+            self._wake_after(1 if self._trickling else min(len(view), WAKE_BYTES))
             return await self.stream.socket.recv_into(view)
         chunk = await self.stream.receive_some(len(view))
         view[: len(chunk)] = chunk
         return len(chunk)
+
+    def _wake_after(self, nbytes: int) -> None:
+        """Have epoll report the socket readable only once `nbytes` are buffered (or the hub closed
+        it, or the receive buffer is full); a receive that need not wait still returns what there is."""
+        if nbytes == self._wake_bytes or not isinstance(self.stream, trio.SocketStream):
+            return
+        try:
+            self.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+        except OSError:
+            return  # closed meanwhile: the receive reports it
+        self._wake_bytes = nbytes
+
+    def _unread_bytes(self) -> int:
+        """Bytes the kernel holds for this socket that were not received yet (plain TCP)."""
+        if not isinstance(self.stream, trio.SocketStream):
+            return 0
+        try:
+            return int.from_bytes(fcntl.ioctl(self.stream.socket.fileno(), termios.FIONREAD, bytes(4)), "little")
+        except OSError:
+            return 0
 
     def _drain_h11_body(self) -> list[bytes]:
         """Body bytes h11 received together with the head."""
