@@ -14,6 +14,7 @@ import logging
 import re
 import socket
 import ssl
+import sys
 import termios
 import zlib
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
@@ -171,7 +172,7 @@ class _Connection:
         if not isinstance(self.stream, trio.SocketStream):
             return 0
         try:
-            return int.from_bytes(fcntl.ioctl(self.stream.socket.fileno(), termios.FIONREAD, bytes(4)), "little")
+            return int.from_bytes(fcntl.ioctl(self.stream.socket.fileno(), termios.FIONREAD, bytes(4)), sys.byteorder)
         except OSError:
             return 0
 
