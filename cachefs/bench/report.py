@@ -164,6 +164,7 @@ def _cpu_cell(resources: dict[str, Any]) -> str:
 PHASES = (("seq1", "seq 1T"), ("seq4", "seq 4T"), ("rand4k", "4 KiB"), ("rand16k", "16 KiB"), ("walk", "walk"),
           ("small", "small files"), ("loader", "loader"))
 MIN_PHASE_BYTES = 100_000_000  # below this a phase's CPU per GB is mostly its fixed costs: shown, not judged
+READ_PHASES = tuple((name, label) for name, label in PHASES if name != "walk")  # the phases that read bytes
 
 
 def workload_bytes_read(result: dict[str, Any]) -> int:
@@ -236,11 +237,10 @@ def _node_cell(result: dict[str, Any] | None) -> str:
 def node_cpu_table(scenarios: Sequence[dict[str, Any]]) -> str:
     """CPU-s per GB read in each workload, the readers' and the cachefs daemon's together: what
     reading the data costs the node, local disk's readers alone beside it."""
-    rows = [[scenario["name"], *(_node_cell(scenario["results"]["workloads"].get(name))
-                                 for name, _ in PHASES if name != "walk")]
+    rows = [[scenario["name"], *(_node_cell(scenario["results"]["workloads"].get(name)) for name, _ in READ_PHASES)]
             for scenario in scenarios
             if scenario["system"] in ("local", "cachefs") and "results" in scenario]
-    return _table(["CPU-s per GB read: readers + daemon", *(label for name, label in PHASES if name != "walk")], rows)
+    return _table(["CPU-s per GB read: readers + daemon", *(label for _, label in READ_PHASES)], rows)
 
 
 def phase_peak_rss_kib(result: dict[str, Any] | None) -> int | None:

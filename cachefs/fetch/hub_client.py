@@ -56,6 +56,8 @@ class _Connection:
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
+        # The TCP socket a body is received from without a copy; None for TLS (decrypted here).
+        self._tcp = stream.socket if isinstance(stream, trio.SocketStream) else None
         self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=64 * 1024)
         self._body_bypassed = False
         self._wake_bytes = 1  # the socket's SO_RCVLOWAT (plain TCP only)
@@ -149,9 +151,9 @@ class _Connection:
     async def _receive_into(self, view: memoryview) -> int:
         """recv_into on plain TCP (no copy), woken once the rest of the piece is there (up to
         WAKE_BYTES); TLS streams decrypt into a chunk that is copied."""
-        if isinstance(self.stream, trio.SocketStream):
+        if self._tcp is not None:
             self._wake_after(1 if self._trickling else min(len(view), WAKE_BYTES))
-            return await self.stream.socket.recv_into(view)
+            return await self._tcp.recv_into(view)
         chunk = await self.stream.receive_some(len(view))
         view[: len(chunk)] = chunk
         return len(chunk)
@@ -159,20 +161,20 @@ class _Connection:
     def _wake_after(self, nbytes: int) -> None:
         """Have epoll report the socket readable only once `nbytes` are buffered (or the hub closed
         it, or the receive buffer is full); a receive that need not wait still returns what there is."""
-        if nbytes == self._wake_bytes or not isinstance(self.stream, trio.SocketStream):
+        if nbytes == self._wake_bytes or self._tcp is None:
             return
         try:
-            self.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+            self._tcp.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
         except OSError:
             return  # closed meanwhile: the receive reports it
         self._wake_bytes = nbytes
 
     def _unread_bytes(self) -> int:
         """Bytes the kernel holds for this socket that were not received yet (plain TCP)."""
-        if not isinstance(self.stream, trio.SocketStream):
+        if self._tcp is None:
             return 0
         try:
-            return int.from_bytes(fcntl.ioctl(self.stream.socket.fileno(), termios.FIONREAD, bytes(4)), sys.byteorder)
+            return int.from_bytes(fcntl.ioctl(self._tcp.fileno(), termios.FIONREAD, bytes(4)), sys.byteorder)
         except OSError:
             return 0
 
