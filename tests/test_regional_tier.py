@@ -16,6 +16,7 @@ import os
 import random
 import re
 import signal
+import stat
 import subprocess
 import threading
 import urllib.request
@@ -104,8 +105,17 @@ def mounted_spokes(hub: HubProcess, workdir: Path, args: Sequence[list[str]]) ->
 
 
 def cached_bytes(node: RegionalCache) -> int:
-    """Disk used by the node's cache entries."""
-    return sum(path.stat().st_blocks * 512 for path in (node.prefix / "cache").rglob("*") if path.is_file())
+    """Disk used by the node's cache entries (one nginx's cache manager removes while they are
+    counted counts as gone)."""
+    total = 0
+    for path in (node.prefix / "cache").rglob("*"):
+        try:
+            info = path.stat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(info.st_mode):
+            total += info.st_blocks * 512
+    return total
 
 
 def manifest_files(hub: HubProcess) -> dict[str, tuple[str, int]]:
