@@ -245,11 +245,16 @@ class Bench:
             wan["bytes"] = wan_bytes_from_summary(emulator.stop())
 
     def calibrate(self, server: Server, link: Link, files: Sequence[Path], streams: int = 8) -> dict[str, Any]:
-        """Plain parallel HTTP GETs (curl) through `link`: the ceiling of the link and emulator on this machine."""
+        """Plain parallel HTTP GETs (curl) through `link`: the ceiling of the link and emulator on this machine.
+
+        The page cache is dropped first, as before every cold phase: the server then reads
+        the files from disk, as the hub does for the spoke, not from memory an earlier
+        calibration filled."""
         record: dict[str, Any] = {"link": link.key, "label": link.label, "streams": streams}
         if not shutil.which("curl"):
             return {**record, "error": "curl not installed"}
         paths = [str(path.relative_to(self.config.data_dir)) for path in files]
+        record["page_cache_dropped"] = can_drop_page_cache() and drop_page_cache(names_too=False)
         with self.link_to(server, link, f"calibrate-{link.key}") as (url, wan):
             began = time.monotonic()
             procs = [subprocess.Popen(["curl", "-s", "-f", "-o", "/dev/null", "--max-time", "120",

@@ -128,7 +128,8 @@ def _cold_target(label: str, cold: dict[str, Any] | None, target_mb_per_s: float
     if ceiling is None or row["met"] is None:
         return row
     carried = ceiling["mb_per_s"]
-    row["measured"] += f"; the link itself carried {carried:,.0f} MB/s ({ceiling.get('streams', '?')} curl GETs)"
+    source = ", the files read from disk" if ceiling.get("page_cache_dropped") else ""
+    row["measured"] += f"; the link itself carried {carried:,.0f} MB/s ({ceiling.get('streams', '?')} curl GETs{source})"
     row["link_below_target"] = carried < target_mb_per_s
     return row
 
