@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cachefs.buffers import BlockBuffers
 from cachefs.cache.keys import BlockKey
 from cachefs.cache.store import DIRECT_CHUNK_BYTES, BlockStore
 
@@ -72,6 +73,19 @@ def test_a_short_last_block_keeps_the_file_size_exact(tmp_path: Path) -> None:
     assert read_back(store, b"tail-001", blocks) == blocks
 
 
+def test_a_read_from_disk_leaves_the_page_cache_as_it_was(tmp_path: Path) -> None:
+    """What verification reads: whole blocks with O_DIRECT, the short last block through the page cache."""
+    store = BlockStore(tmp_path, BLOCK, BlockBuffers(BLOCK, 4 * BLOCK))  # pool slots: page-aligned buffers
+    blocks = write_file(store, b"check-01", [BLOCK, BLOCK, 12345])
+    path = store.path(b"check-01", b"versn-01")
+    tail_pages = -(-12345 // 4096)
+    read = [store.read(BlockKey(b"check-01", b"versn-01", n), 0, len(data), from_disk=True) for n, data in enumerate(blocks)]
+    assert read == blocks
+    assert page_cache_pages(path)[0] == tail_pages  # the tail's pages, from its write
+    assert read_back(store, b"check-01", blocks) == blocks  # a plain read fills it
+    assert page_cache_pages(path)[0] == 2 * BLOCK // 4096 + tail_pages
+
+
 def test_a_rewritten_block_replaces_cached_pages(tmp_path: Path) -> None:
     store = BlockStore(tmp_path, BLOCK)
     key = BlockKey(b"again-01", b"versn-01", 0)
@@ -89,5 +103,7 @@ def test_a_file_system_without_o_direct_gets_page_cache_writes(ramfs_dir: Path, 
         more = write_file(store, b"ramfs-02", [BLOCK])
     assert read_back(store, b"ramfs-01", blocks) == blocks
     assert read_back(store, b"ramfs-02", more) == more
+    assert [store.read(BlockKey(b"ramfs-01", b"versn-01", n), 0, len(data), from_disk=True)
+            for n, data in enumerate(blocks)] == blocks
     refusals = [r for r in caplog.records if "refuses O_DIRECT" in r.getMessage()]
     assert len(refusals) == 1

@@ -26,6 +26,7 @@ from mount_helpers import (
     evict_from_page_cache,
     mounted_spoke,
     read_uncached,
+    resident_pages,
     run_cachefs,
     spoke_metrics,
     wait_for_stats,
@@ -77,6 +78,22 @@ def test_a_file_read_whole_is_then_read_by_the_kernel_from_the_cache(hub: HubPro
         assert data == source
         assert moved == {"reads": 0, "passthrough_opens": 1}
         assert spoke.stats()["fetched_bytes"] == 0
+
+
+def test_a_file_is_verified_from_the_disk_and_leaves_no_copy_in_the_page_cache(hub: HubProcess, dataset: Path,
+                                                                                tmp_path: Path) -> None:
+    """The read-back that verifies a file for the kernel reads what the disk holds
+    (O_DIRECT, as its blocks were written), not pages in memory, and does not fill
+    the page cache with a second copy of a file its reader has just read."""
+    source = (dataset / SHARD).read_bytes()
+    with mounted_spoke(hub.url, tmp_path, ARGS) as spoke:
+        assert read_uncached(spoke.mountpoint / SHARD) == source
+        wait_for_stats(spoke, lambda stats: stats["verified_files"] >= 1)
+        [data_file] = [path for path in cache_data_files(spoke.cache_dir) if path.stat().st_size == len(source)]
+        assert resident_pages(data_file) <= 1  # the short last block (17 bytes) went through the page cache
+        data, moved = _read_through_kernel(spoke, SHARD)
+        assert data == source
+        assert moved == {"reads": 0, "passthrough_opens": 1}
 
 
 def test_a_file_filled_in_the_background_is_verified_while_still_open(hub: HubProcess, dataset: Path,

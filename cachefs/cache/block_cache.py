@@ -173,11 +173,13 @@ class BlockCache:
         data = self._read_chunks(key, entry, first, min(entry.length, -(-stop // CHUNK_BYTES) * CHUNK_BYTES), nowait)
         return None if data is None else memoryview(data)[start - first : stop - first]
 
-    def _read_intact(self, key: BlockKey, entry: IndexEntry, start: int, stop: int, nowait: bool) -> BlockData | None:
+    def _read_intact(self, key: BlockKey, entry: IndexEntry, start: int, stop: int, nowait: bool, *,
+                     from_disk: bool = False) -> BlockData | None:
         """Bytes [start, stop) of a block, chunk-aligned, if they can be read and match
-        their chunk sums, else None (the caller decides what a bad block costs)."""
+        their chunk sums, else None (the caller decides what a bad block costs).
+        `from_disk`: read what the disk holds, not the page cache (BlockStore.read)."""
         try:
-            data = self.store.read(key, start, stop - start, nowait=nowait)
+            data = self.store.read(key, start, stop - start, nowait=nowait, from_disk=from_disk)
         except BlockingIOError:
             raise
         except OSError as exc:
@@ -187,9 +189,10 @@ class BlockCache:
             return None
         return data
 
-    def _read_chunks(self, key: BlockKey, entry: IndexEntry, start: int, stop: int, nowait: bool) -> BlockData | None:
+    def _read_chunks(self, key: BlockKey, entry: IndexEntry, start: int, stop: int, nowait: bool, *,
+                     from_disk: bool = False) -> BlockData | None:
         """Bytes [start, stop) of a block, chunk-aligned, checked against their chunk sums; a bad block is dropped."""
-        data = self._read_intact(key, entry, start, stop, nowait)
+        data = self._read_intact(key, entry, start, stop, nowait, from_disk=from_disk)
         if data is None:
             current = self.index.get(key)
             if current is None or current.seq != entry.seq:
@@ -415,7 +418,7 @@ class BlockCache:
                 break
             entries.append((key, entry))
             planned += entry.length
-        bad = [key for key, entry in entries if self._read_intact(key, entry, 0, entry.length, False) is None]
+        bad = [key for key, entry in entries if self._read_intact(key, entry, 0, entry.length, False, from_disk=True) is None]
         return next_blockno, planned, bad
 
     def drop_changed(self, keys: list[BlockKey]) -> None:
@@ -440,8 +443,8 @@ class BlockCache:
             if entry is None or entry.length != length:
                 return []
             blocks.append((key, entry))
-        for key, entry in blocks:
-            if self._read_chunks(key, entry, 0, entry.length, False) is None:
+        for key, entry in blocks:  # from the disk: the bytes the kernel will read, not a copy in memory
+            if self._read_chunks(key, entry, 0, entry.length, False, from_disk=True) is None:
                 return []
         return [(key, entry.seq) for key, entry in blocks]
 

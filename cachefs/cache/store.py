@@ -100,7 +100,8 @@ class BlockStore:
         name = file_id.hex()
         return f"{self._data_dir}/{name[:2]}/{name}-{version.hex()}"
 
-    def read(self, key: BlockKey, start: int, length: int, *, nowait: bool = False) -> BlockData | None:
+    def read(self, key: BlockKey, start: int, length: int, *, nowait: bool = False,
+             from_disk: bool = False) -> BlockData | None:
         """`length` bytes at `start` of the block, or None if its data file is missing or short.
 
         With `nowait`, only bytes already in the page cache are read: if any
@@ -108,22 +109,54 @@ class BlockStore:
         (preadv2 RWF_NOWAIT), so the caller can read them in a worker thread.
         On a file system that cannot tell (EOPNOTSUPP: tmpfs, ramfs), every
         `nowait` read raises BlockingIOError.
+
+        With `from_disk`, whole pages are read with O_DIRECT into a pool slot,
+        as they were written: a check of what the disk holds, which neither
+        fills the page cache nor is answered from it. Unaligned pieces (a
+        file's short last block), a heap buffer (no slot free) and a file
+        system that refuses O_DIRECT are read through the page cache.
         """
         if nowait and not self._nowait:
             raise BlockingIOError(errno.EAGAIN, "the file system cannot read without waiting")
+        path = self.path(key.file_id, key.version)
+        offset = key.blockno * self.block_size + start
+        buffer = None if nowait else self._take(length)  # filled whole, or dropped
+        direct = (from_disk and self._direct and buffer is not None and offset % DIRECT_ALIGN == 0
+                  and length % DIRECT_ALIGN == 0 and page_aligned(buffer, DIRECT_ALIGN))
         try:
-            fd = os.open(self.path(key.file_id, key.version), os.O_RDONLY)
+            fd = self._open_for_read(path, direct)
         except FileNotFoundError:
             return None
-        offset = key.blockno * self.block_size + start
         try:
-            if nowait:
+            if buffer is None:
                 return self._read_nowait(fd, offset, length)
-            buffer = self._take(length)  # filled whole, or dropped
-            done = os.preadv(fd, [buffer], offset)
+            done = self._read_at(fd, buffer, offset, direct)
         finally:
             os.close(fd)
         return buffer if done == length else None
+
+    def _open_for_read(self, path: str, direct: bool) -> int:
+        """A read fd of the data file: O_DIRECT if `direct` and the file system allows it."""
+        if direct:
+            try:
+                return os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._stop_direct(exc)
+        return os.open(path, os.O_RDONLY)
+
+    def _read_at(self, fd: int, buffer: Buffer, offset: int, direct: bool) -> int:
+        """Bytes read into `buffer` at offset; an O_DIRECT read the disk refuses (its sector
+        size is larger than a page) is made again through the page cache."""
+        try:
+            return os.preadv(fd, [buffer], offset)
+        except OSError as exc:
+            if not direct or exc.errno != errno.EINVAL:
+                raise
+            self._stop_direct(exc)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            return os.preadv(fd, [buffer], offset)
 
     def start_reading(self, files: list[tuple[bytes, bytes, int]]) -> None:
         """Have the kernel start reading these data files (file id, version, bytes) into
