@@ -517,3 +517,23 @@ async def test_a_release_of_a_file_verified_already_reads_nothing_back(
         nursery.cancel_scope.cancel()
     assert cache.verified(FILE_ID, VERSION) and stats.verified_files == 1
     assert checked == [[(FILE_ID, VERSION, LENGTHS)]]
+
+
+@pytest.mark.trio
+async def test_a_file_verified_while_it_waited_is_not_handed_to_a_worker_thread(
+        cache: BlockCache, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small file is mostly released before the cache writer verifies it as it inserts it:
+    queued then, it is found verified at its turn, and no worker thread looks at it again."""
+    passthrough, stats, inode = _verifying_passthrough(cache, monkeypatch, 0.05)
+    assert passthrough.open(inode) == 0  # nothing cached yet: served by the daemon
+    passthrough.release(inode)  # queued for verification
+    _insert_file(cache)
+    assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == {(FILE_ID, VERSION)}  # as the writer marks a small file
+    handed: list[object] = []
+    monkeypatch.setattr(passthrough, "_verify", lambda inodes: handed.append(inodes) or set())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(passthrough.run_verifier)
+        await trio.sleep(0.3)  # due, and any retry due too
+        nursery.cancel_scope.cancel()
+    assert handed == []
+    assert stats.verified_files == 0  # counted by the writer's path, not again here

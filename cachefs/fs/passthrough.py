@@ -266,7 +266,12 @@ class Passthrough:
             while self._pending:
                 _inode, due, _retry = next(iter(self._pending.values()))
                 await trio.sleep_until(due)
-                batch = self._next_batch()
+                # A small file is mostly verified by the cache writer after its release queued it:
+                # looked up here (an index read), not in a worker thread, it costs no thread hop.
+                batch = [(inode, retry) for inode, retry in self._next_batch()
+                         if not self._cache.verified(inode.file_id, inode.version)]
+                if not batch:
+                    continue
                 marked = await trio.to_thread.run_sync(self._verify, [inode for inode, _retry in batch])
                 self._stats.verified_files += len(marked)
                 for inode, retry in batch:
