@@ -121,6 +121,9 @@ class TrainingStats:
         self.tick(force=True)
         if since is None or (self.epochs and since.monotonic_s < self.epochs[-1].started_s):
             since = self.mark()
+        # The reads just judged end the last epoch; the next window is the new epoch's first,
+        # and starts with it: an epoch whose reads all hit is warm at 0 s, not a moment later.
+        self._window_start_s = min(self._window_start_s, since.monotonic_s)
         if self.epochs and self.epochs[-1].end is None:
             self.epochs[-1].end, self.epochs[-1].ended_s = since.counters, since.monotonic_s
         self.epochs.append(EpochRecord(epoch, since.monotonic_s, since.unix, since.counters, WarmTracker(since.monotonic_s)))

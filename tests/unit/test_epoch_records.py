@@ -41,3 +41,23 @@ def test_a_mark_older_than_the_current_epoch_starts_the_next_one_now() -> None:
     training.start_epoch(2, since=early)  # that plan began to arrive before epoch 1 did
     first, second = training.snapshot()["epochs"]
     assert first["fetched_bytes"] == 100 and second["fetched_bytes"] == 0
+
+
+def test_an_epoch_whose_reads_all_hit_is_warm_at_its_start() -> None:
+    """The last epoch's leftover reads are judged as the next one begins; the next epoch's
+    first window then starts with it, not at the moment its start was processed."""
+    stats, clock = Stats(), Clock()
+    training = TrainingStats(stats, clock)
+    training.start_epoch(1)
+    stats.block_misses += 100
+    training.tick()
+    stats.block_misses += 20  # enough to be judged when epoch 2 begins
+    arrival = training.mark()
+    clock.now += 0.001
+    training.start_epoch(2, since=arrival)
+    stats.block_hits += 64
+    clock.now += 1
+    training.tick()
+    first, second = training.snapshot()["epochs"]
+    assert first["time_to_warm_s"] is None
+    assert second["time_to_warm_s"] == 0.0
