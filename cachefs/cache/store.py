@@ -154,8 +154,7 @@ class BlockStore:
         except OSError as exc:
             if not direct or exc.errno != errno.EINVAL:
                 raise
-            self._stop_direct(exc)
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self._stop_direct(exc, fd)
             return os.preadv(fd, [buffer], offset)
 
     def start_reading(self, files: list[tuple[bytes, bytes, int]]) -> None:
@@ -236,8 +235,7 @@ class BlockStore:
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                self._stop_direct(exc)
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                self._stop_direct(exc, fd)
         return os.pwrite(fd, data, offset)
 
     def _pwrite_direct(self, fd: int, data: BlockData, offset: int) -> int:
@@ -257,10 +255,13 @@ class BlockStore:
                     break
         return written
 
-    def _stop_direct(self, exc: OSError) -> None:
+    def _stop_direct(self, exc: OSError, fd: int | None = None) -> None:
+        """Go through the page cache from now on, and on `fd` (opened with O_DIRECT) too."""
         if self._direct:
             log.info("the cache's file system refuses O_DIRECT (%s): blocks go through the page cache", exc)
         self._direct = False
+        if fd is not None:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
 
     def seal(self, file_id: bytes, version: bytes) -> None:
         """Make a verified data file read-only: the kernel may now read it without a check."""
