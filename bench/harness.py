@@ -244,8 +244,11 @@ class Bench:
                 wan["cpu_s"] = cpu_at_end_s - cpu_at_start_s
             wan["bytes"] = wan_bytes_from_summary(emulator.stop())
 
-    def calibrate(self, server: Server, link: Link, files: Sequence[Path], streams: int = 8) -> dict[str, Any]:
-        """Plain parallel HTTP GETs (curl) through `link`: the ceiling of the link and emulator on this machine.
+    def calibrate(self, server: Server, link: Link, files: Sequence[Path], streams: int) -> dict[str, Any]:
+        """Plain HTTP GETs (curl) through `link`, `streams` at once: what the link and emulator carry on
+        this machine for as many connections as a sequential workload has readers. Each stream
+        fetches its share of `files` one after the other over one connection, as a reader goes
+        from file to file.
 
         The page cache is dropped first, as before every cold phase: the server then reads
         the files from disk, as the hub does for the spoke, not from memory an earlier
@@ -253,12 +256,15 @@ class Bench:
         record: dict[str, Any] = {"link": link.key, "label": link.label, "streams": streams}
         if not shutil.which("curl"):
             return {**record, "error": "curl not installed"}
+        if not 1 <= streams <= len(files):
+            raise ValueError(f"{streams} curl streams need at least as many files, got {len(files)}")
         paths = [str(path.relative_to(self.config.data_dir)) for path in files]
         record["page_cache_dropped"] = can_drop_page_cache() and drop_page_cache(names_too=False)
-        with self.link_to(server, link, f"calibrate-{link.key}") as (url, wan):
+        with self.link_to(server, link, f"calibrate-{link.key}-{streams}") as (url, wan):
             began = time.monotonic()
-            procs = [subprocess.Popen(["curl", "-s", "-f", "-o", "/dev/null", "--max-time", "120",
-                                       f"{url}/{paths[index % len(paths)]}"], stdin=subprocess.DEVNULL)
+            procs = [subprocess.Popen(["curl", "-s", "-f", "--max-time", "120",
+                                       *(arg for path in paths[index::streams] for arg in ("-o", "/dev/null", f"{url}/{path}"))],
+                                      stdin=subprocess.DEVNULL)
                      for index in range(streams)]
             try:
                 failed = sum(proc.wait(180) != 0 for proc in procs)
@@ -268,7 +274,7 @@ class Bench:
                         proc.kill()
                         proc.wait(10)
             wall_s = time.monotonic() - began
-        size_bytes = sum(files[index % len(files)].stat().st_size for index in range(streams))
+        size_bytes = sum(path.stat().st_size for path in files)
         record.update(bytes=size_bytes, wall_s=wall_s, mb_per_s=size_bytes / wall_s / 1e6, failed=failed,
                       wan_bytes=wan["bytes"], emulator_cpu_s=wan["cpu_s"])
         log.info("link ceiling %s: %.0f MB/s with %d curl streams", link.label, record["mb_per_s"], streams)

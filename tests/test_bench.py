@@ -176,6 +176,25 @@ def test_the_link_probe_reads_its_files_from_disk_as_the_cold_runs_do(local_data
     assert server_disk_reads >= size
 
 
+def test_one_link_probe_stream_fetches_every_file_one_after_the_other(local_dataset: Path, tmp_path: Path) -> None:
+    """Bench.calibrate with one stream: what one reader going from file to file would get, so one
+    curl fetches all the files (the server sends each whole), not just the first."""
+    shards = sorted((local_dataset / "shards").iterdir())[:3]
+    config = RunConfig(data_dir=local_dataset, work_dir=tmp_path, results_dir=tmp_path, quick=True, systems=["cachefs"],
+                       links=["direct"], peer_links=[], spoke_args=[], bench_args=[], cache_size_bytes=1 << 30)
+    with contextlib.ExitStack() as stack:
+        bench = Bench(config, stack)
+        static = bench.start_static()
+        sent_before = _io_counter(static.proc.pid, "wchar")
+        record = bench.calibrate(static, LINKS["direct"], shards, streams=1)
+        sent = _io_counter(static.proc.pid, "wchar") - sent_before
+        with pytest.raises(ValueError, match="need at least as many files"):
+            bench.calibrate(static, LINKS["direct"], shards, streams=4)
+    size = sum(shard.stat().st_size for shard in shards)
+    assert record["streams"] == 1 and record["failed"] == 0 and record["bytes"] == size
+    assert sent >= size
+
+
 def _io_counter(pid: int, name: str) -> int:
     for line in Path(f"/proc/{pid}/io").read_text().splitlines():
         key, _, value = line.partition(": ")
@@ -476,26 +495,34 @@ def test_the_rss_target_names_the_workload_that_peaked() -> None:
     assert "| cachefs capped warm | – | – | – | – | – | – | – |" in table
 
 
-def test_cold_targets_show_what_the_link_itself_carried() -> None:
-    """A cold row names the link's own rate (curl); falling short on a link slower than the target says so."""
+def test_cold_targets_judge_each_reader_count_against_as_many_curl_gets_at_once() -> None:
+    """A cold row names what the link itself carried (curl) with as many GETs at once as each
+    workload has readers; uncapped, each is judged against 90 % of its own; falling short on
+    a link slower than the target says so."""
     scenarios = [
         _scenario("local", None, "", 2000, 0.1, 800),
         _scenario("cachefs", "capped", "cold", 120, 70, 400),
         _scenario("cachefs", "uncapped", "cold", 300, 70, 400),
     ]
-    ceilings = [{"link": "capped", "streams": 8, "mb_per_s": 121.3},
-                {"link": "uncapped", "streams": 8, "mb_per_s": 386.4, "page_cache_dropped": True},
-                {"link": "direct", "streams": 8, "mb_per_s": 1894.0}]
+    scenarios[2]["results"]["workloads"]["seq4"]["mb_per_s"] = 500.0
+    ceilings = [{"link": "capped", "streams": 1, "mb_per_s": 118.0},
+                {"link": "capped", "streams": 4, "mb_per_s": 121.3},
+                {"link": "uncapped", "streams": 1, "mb_per_s": 320.0, "page_cache_dropped": True},
+                {"link": "uncapped", "streams": 4, "mb_per_s": 600.0, "page_cache_dropped": True},
+                {"link": "direct", "streams": 1, "mb_per_s": 1894.0}]
     capped, uncapped = targets.evaluate(scenarios, ceilings)[:2]
     assert capped["met"] is True and not capped["link_below_target"]
-    assert capped["measured"].endswith("; the link itself carried 121 MB/s (8 curl GETs)")
+    assert capped["measured"].endswith("; the link itself carried (curl GETs) 1 at a time: 118 MB/s; "
+                                       "4 at a time: 121 MB/s")
     # curl's server read the files from disk, as the hub does in the cold runs: said so
-    assert uncapped["measured"].endswith("; the link itself carried 386 MB/s (8 curl GETs, the files read from disk)")
-    # uncapped: judged against 90 % of what curl carried through it (348 MB/s)
+    assert "(curl GETs, the files read from disk) 1 at a time: 320 MB/s; 4 at a time: 600 MB/s" in uncapped["measured"]
+    # one reader 300 >= 0.9 x 320 = 288, four readers 500 < 0.9 x 600 = 540: not met
+    assert "(1 thread: 288 MB/s, 4 threads: 540 MB/s)" in uncapped["target"]
     assert uncapped["met"] is False and not uncapped["link_below_target"]
-    assert "(348 MB/s)" in uncapped["target"]
-    ceilings[1]["mb_per_s"] = 320.0  # 300 >= 288
+    ceilings[3]["mb_per_s"] = 550.0  # 500 >= 495
     assert targets.evaluate(scenarios, ceilings)[1]["met"] is True
+    ceilings[2]["mb_per_s"] = 340.0  # one reader 300 < 306: judged against its own count, not four's
+    assert targets.evaluate(scenarios, ceilings)[1]["met"] is False
     ceilings[0]["mb_per_s"] = 100.0  # a capped link that carried less than its target: said so
     scenarios[1] = _scenario("cachefs", "capped", "cold", 98, 70, 400)
     capped = targets.evaluate(scenarios, ceilings)[0]
@@ -503,6 +530,7 @@ def test_cold_targets_show_what_the_link_itself_carried() -> None:
     table = report.targets_table([capped])
     assert table.count("the link carried less than the target in this run") == 1
     assert "link itself" not in targets.evaluate(scenarios)[1]["measured"]  # no ceilings measured: a fixed rate
+    assert "| uncapped | 4 | 550 | – |" in report.ceilings_table([{**ceilings[3], "label": "uncapped", "bytes": 1}])
 
 
 def test_side_by_side_alternates_local_and_mount_reads(local_dataset: Path) -> None:
