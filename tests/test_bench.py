@@ -22,6 +22,7 @@ from mount_helpers import SpokeMount
 
 from bench import side_by_side, targets
 from bench.harness import LINKS, Bench, RunConfig, bytes_read, warm_caps
+from bench.processes import Server
 from cachefs.bench import cli as bench_cli
 from cachefs.bench import report
 from cachefs.bench.loader import SAMPLE_BYTES, LoaderConfig, run_loader
@@ -163,11 +164,7 @@ def test_the_link_probe_reads_its_files_from_disk_as_the_cold_runs_do(local_data
     shards = sorted((local_dataset / "shards").iterdir())[:2]
     for shard in shards:
         shard.read_bytes()
-    config = RunConfig(data_dir=local_dataset, work_dir=tmp_path, results_dir=tmp_path, quick=True, systems=["cachefs"],
-                       links=["direct"], peer_links=[], spoke_args=[], bench_args=[], cache_size_bytes=1 << 30)
-    with contextlib.ExitStack() as stack:
-        bench = Bench(config, stack)
-        static = bench.start_static()
+    with _bench_with_static_server(local_dataset, tmp_path) as (bench, static):
         disk_reads_before = _io_counter(static.proc.pid, "read_bytes")
         record = bench.calibrate(static, LINKS["direct"], shards, streams=2)
         server_disk_reads = _io_counter(static.proc.pid, "read_bytes") - disk_reads_before
@@ -180,11 +177,7 @@ def test_one_link_probe_stream_fetches_every_file_one_after_the_other(local_data
     """Bench.calibrate with one stream: what one reader going from file to file would get, so one
     curl fetches all the files (the server sends each whole), not just the first."""
     shards = sorted((local_dataset / "shards").iterdir())[:3]
-    config = RunConfig(data_dir=local_dataset, work_dir=tmp_path, results_dir=tmp_path, quick=True, systems=["cachefs"],
-                       links=["direct"], peer_links=[], spoke_args=[], bench_args=[], cache_size_bytes=1 << 30)
-    with contextlib.ExitStack() as stack:
-        bench = Bench(config, stack)
-        static = bench.start_static()
+    with _bench_with_static_server(local_dataset, tmp_path) as (bench, static):
         sent_before = _io_counter(static.proc.pid, "wchar")
         record = bench.calibrate(static, LINKS["direct"], shards, streams=1)
         sent = _io_counter(static.proc.pid, "wchar") - sent_before
@@ -193,6 +186,16 @@ def test_one_link_probe_stream_fetches_every_file_one_after_the_other(local_data
     size = sum(shard.stat().st_size for shard in shards)
     assert record["streams"] == 1 and record["failed"] == 0 and record["bytes"] == size
     assert sent >= size
+
+
+@contextlib.contextmanager
+def _bench_with_static_server(dataset: Path, tmp_path: Path) -> Iterator[tuple[Bench, Server]]:
+    """A Bench on `dataset` (no run started) and its real static server, stopped on exit."""
+    config = RunConfig(data_dir=dataset, work_dir=tmp_path, results_dir=tmp_path, quick=True, systems=["cachefs"],
+                       links=["direct"], peer_links=[], spoke_args=[], bench_args=[], cache_size_bytes=1 << 30)
+    with contextlib.ExitStack() as stack:
+        bench = Bench(config, stack)
+        yield bench, bench.start_static()
 
 
 def _io_counter(pid: int, name: str) -> int:
