@@ -47,6 +47,11 @@ PHASE_LEGEND = (
 )
 
 
+MACHINE_CPU_LEGEND = (
+    "How busy the machine's CPUs were in each workload: all cores and every process (the readers, the "
+    "daemon, the hub, the WAN emulator), from /proc/stat. Near 100 %, the machine set the pace, not any "
+    "one of them."
+)
 NODE_CPU_LEGEND = (
     "What reading the data cost the node, per GB read in each workload: the CPU time of `cachefs bench`'s "
     "readers (its threads and the loader's worker processes, in user and kernel mode) plus the daemon's; in "
@@ -182,6 +187,8 @@ def render_run(results: dict[str, Any], numbers: str | None = None, plot: str | 
             lines += ["", report.phase_cpu_table(results["scenarios"]), "", PHASE_LEGEND]
         if any("readers_cpu_s" in result for result in phases):
             lines += ["", report.node_cpu_table(results["scenarios"]), "", NODE_CPU_LEGEND]
+        if any("machine_cpu" in result for result in phases):
+            lines += ["", report.machine_busy_table(results["scenarios"]), "", MACHINE_CPU_LEGEND]
         if any(report.phase_peak_rss_kib(result) for result in phases):
             lines += ["", report.phase_rss_table(results["scenarios"]), "", PHASE_RSS_LEGEND]
         if side_by_side := side_by_side_section(results["scenarios"]):

@@ -131,6 +131,10 @@ def _cold_target(label: str, cold: dict[str, Any] | None, target_mb_per_s: Calla
     """A cold sequential row (each read at least its `target_mb_per_s(name)`), with what the
     link itself carried in this run for as many curl GETs at once as it has readers, if measured."""
     row = _seq_target(label, cold, lambda name, mb, _local: mb >= target_mb_per_s(name))
+    busy = [(threads, pct) for name, threads, _readers in SEQ_WORKLOADS
+            if (pct := report.machine_busy_pct(_workload(cold, name))) is not None]
+    if busy:
+        row["measured"] += "; the machine's CPUs busy " + ", ".join(f"{pct:.0f} % ({threads})" for threads, pct in busy)
     if not ceilings or row["met"] is None:
         return row
     carried = "; ".join(f"{record['streams']} at a time: {record['mb_per_s']:,.0f} MB/s" for record in ceilings.values())

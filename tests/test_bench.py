@@ -234,6 +234,11 @@ def test_cli_on_a_spoke_samples_its_counters(spoke: SpokeMount, dataset: Path, t
     # And its own peak RSS; the run keeps the highest reading.
     peaks = [result["daemon"]["peak_rss_kib"] for result in results["workloads"].values()]
     assert min(peaks) > 0 and results["daemon_peak_rss_kib"] >= max(peaks)
+    # And the whole machine's CPU time meanwhile: at least what the readers and the daemon spent
+    # (every core's, every process's; /proc/stat counts in ticks of 10 ms, so a few ticks of slack).
+    machine = seq1["machine_cpu"]
+    assert machine["busy_s"] >= seq1["readers_cpu_s"] + seq1["daemon"]["cpu_s"] - 0.05
+    assert machine["busy_s"] + machine["idle_s"] > 0
 
 
 def test_phase_peaks_are_taken_only_of_a_cachefs_daemon() -> None:
@@ -533,6 +538,12 @@ def test_cold_targets_judge_each_reader_count_against_as_many_curl_gets_at_once(
     table = report.targets_table([capped])
     assert table.count("the link carried less than the target in this run") == 1
     assert "link itself" not in targets.evaluate(scenarios)[1]["measured"]  # no ceilings measured: a fixed rate
+    # How busy the machine's CPUs were, where recorded: said beside the rates
+    workloads = scenarios[2]["results"]["workloads"]
+    workloads["seq1"]["machine_cpu"] = {"busy_s": 1.9, "idle_s": 0.1}
+    workloads["seq4"]["machine_cpu"] = {"busy_s": 3.0, "idle_s": 1.0}
+    assert "; the machine's CPUs busy 95 % (1 thread), 75 % (4 threads)" in targets.evaluate(scenarios)[1]["measured"]
+    assert "| cachefs uncapped cold | 95 % | 75 % | – |" in report.machine_busy_table(scenarios)
     assert "| uncapped | 4 | 550 | – |" in report.ceilings_table([{**ceilings[3], "label": "uncapped", "bytes": 1}])
 
 

@@ -123,6 +123,21 @@ def readers_cpu_seconds() -> float:
     return total
 
 
+def machine_cpu_seconds() -> tuple[float, float] | None:
+    """The whole machine's CPU seconds so far, all cores and every process (/proc/stat):
+    (busy, idle); None where that is not readable."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(value) for value in stat.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 8:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + fields[4]  # idle, iowait; the rest of user nice system idle iowait irq softirq steal is busy
+    return (sum(fields) - idle) / ticks, idle / ticks
+
+
 def _selected(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in WORKLOADS]
@@ -208,9 +223,12 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         began = time.monotonic()
         if peaks:
             peaks.start()
-        readers_before = readers_cpu_seconds()
+        readers_before, machine_before = readers_cpu_seconds(), machine_cpu_seconds()
         result = run_workload(name, dataset, args, budget)
         result["readers_cpu_s"] = readers_cpu_seconds() - readers_before
+        if machine_before and (machine_after := machine_cpu_seconds()):
+            result["machine_cpu"] = {"busy_s": machine_after[0] - machine_before[0],
+                                     "idle_s": machine_after[1] - machine_before[1]}
         after = mount_stats(args.path)
         if usage := daemon_usage(stats, after):
             result["daemon"] = usage

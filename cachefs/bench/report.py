@@ -243,6 +243,22 @@ def node_cpu_table(scenarios: Sequence[dict[str, Any]]) -> str:
     return _table(["CPU-s per GB read: readers + daemon", *(label for _, label in READ_PHASES)], rows)
 
 
+def machine_busy_pct(result: dict[str, Any] | None) -> float | None:
+    """How busy the machine's CPUs were in one workload (all cores, every process), in %."""
+    cpu = (result or {}).get("machine_cpu")
+    if not cpu or cpu["busy_s"] + cpu["idle_s"] <= 0:
+        return None
+    return 100 * cpu["busy_s"] / (cpu["busy_s"] + cpu["idle_s"])
+
+
+def machine_busy_table(scenarios: Sequence[dict[str, Any]]) -> str:
+    """The machine's CPUs' busy % in each workload of each run (every system)."""
+    rows = [[scenario["name"], *(f"{pct:.0f} %" if (pct := machine_busy_pct(scenario["results"]["workloads"].get(name)))
+                                 is not None else "–" for name, _ in PHASES)]
+            for scenario in scenarios if "results" in scenario]
+    return _table(["machine CPUs busy", *(label for _, label in PHASES)], rows)
+
+
 def phase_peak_rss_kib(result: dict[str, Any] | None) -> int | None:
     """The daemon's peak RSS in one workload (cachefs bench resets it as each starts), in KiB."""
     return ((result or {}).get("daemon") or {}).get("peak_rss_kib")
