@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from cachefs import plan as cachefs_plan
-from cachefs.bench.workloads import drop_page_cache
+from cachefs.bench.workloads import drop_page_cache, machine_cpu_seconds
 
 from .plan_bench import Mount, start_hub_behind_wan, write_shards
 
@@ -111,9 +111,10 @@ def children(pid: int) -> list[int]:
 
 def machine_idle_s() -> float:
     """Idle + iowait seconds of all cores since boot (from /proc/stat)."""
-    with open("/proc/stat") as stat:
-        fields = stat.readline().split()
-    return (int(fields[4]) + int(fields[5])) / CLOCK_TICKS
+    seconds = machine_cpu_seconds()
+    if seconds is None:
+        raise OSError("cannot read the machine's CPU times from /proc/stat")
+    return seconds[1]
 
 
 # -- the dataset and one epoch ------------------------------------------------------------------

@@ -30,6 +30,7 @@ from .workloads import (
     can_drop_page_cache,
     drop_page_cache,
     find_dataset,
+    machine_cpu_seconds,
     random_pread,
     sequential_read,
     small_read_all,
@@ -121,21 +122,6 @@ def readers_cpu_seconds() -> float:
         usage = resource.getrusage(who)
         total += usage.ru_utime + usage.ru_stime
     return total
-
-
-def machine_cpu_seconds() -> tuple[float, float] | None:
-    """The whole machine's CPU seconds so far, all cores and every process (/proc/stat):
-    (busy, idle); None where that is not readable."""
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(value) for value in stat.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    if len(fields) < 8:
-        return None
-    ticks = os.sysconf("SC_CLK_TCK")
-    idle = fields[3] + fields[4]  # idle, iowait; the rest of user nice system idle iowait irq softirq steal is busy
-    return (sum(fields) - idle) / ticks, idle / ticks
 
 
 def _selected(text: str) -> list[str]:

@@ -201,6 +201,21 @@ def drop_page_cache(*, names_too: bool = True) -> bool:
         return False
 
 
+def machine_cpu_seconds() -> tuple[float, float] | None:
+    """The whole machine's CPU seconds so far, all cores and every process (/proc/stat):
+    (busy, idle); None where that is not readable."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(value) for value in stat.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 8:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + fields[4]  # idle, iowait; the rest of user nice system idle iowait irq softirq steal is busy
+    return (sum(fields) - idle) / ticks, idle / ticks
+
+
 def sequential_read(files: Sequence[FileEntry], threads: int, time_limit_s: float,
                     chunk_bytes: int = SEQUENTIAL_READ_BYTES) -> ThroughputResult:
     """Read whole files front to back, `threads` files at a time, until done or `time_limit_s`."""
