@@ -47,6 +47,7 @@ from typing import Any
 from cachefs import plan as cachefs_plan
 from cachefs.bench.workloads import drop_page_cache, machine_cpu_seconds
 
+from . import processes
 from .plan_bench import Mount, start_hub_behind_wan, write_shards
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,6 @@ MiB = 1 << 20
 KiB = 1 << 10
 MARKER = ".torch-bench-dataset"
 MODES = ("local", "cold", "cold plan", "warm")
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +91,7 @@ class BenchConfig:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (all its threads) so far; 0 if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime: fields 14 and 15 of stat(5)
+    return processes.cpu_seconds(pid) or 0.0
 
 
 def children(pid: int) -> list[int]:
