@@ -246,7 +246,7 @@ async def _serve(
             admin = Admin(config, namespace, cache, fetcher, stats, refresh=refresh, sections=sections)
             await nursery.start(passthrough.run_verifier)
             if passthrough.enabled:
-                reverifier = Reverifier(cache, passthrough, stats, interval_s=config.reverify_interval_s,
+                reverifier = Reverifier(cache, passthrough, fetcher, stats, interval_s=config.reverify_interval_s,
                                         rate_bytes=config.reverify_rate_bytes)
                 await nursery.start(reverifier.run)
             operations = CachefsOperations(

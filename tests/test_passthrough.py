@@ -11,7 +11,7 @@ import shutil
 import signal
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -425,15 +425,25 @@ class _Revoked:
         self.files.append((file_id, version))
 
 
+class _HeldCopies:
+    """What the reverifier tells the fetcher: the blocks it must not serve from memory."""
+
+    def __init__(self) -> None:
+        self.predicates: list[Callable[[BlockKey], bool]] = []
+
+    def discard_pending(self, predicate: Callable[[BlockKey], bool]) -> None:
+        self.predicates.append(predicate)
+
+
 def test_a_file_is_reverified_a_period_after_its_last_verification_even_across_restarts(cache: BlockCache) -> None:
     """The time of a file's last verification is in the index, so a daemon started
     since (a new Reverifier) re-hashes it when it is due, not a period after its start."""
     keys = _insert_file(cache)
     assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == {(FILE_ID, VERSION)}
-    stats, revoked = Stats(), _Revoked()
+    stats, revoked, held = Stats(), _Revoked(), _HeldCopies()
 
     def one_round() -> None:
-        reverifier = Reverifier(cache, revoked, stats, interval_s=3600, rate_bytes=1 << 30)
+        reverifier = Reverifier(cache, revoked, held, stats, interval_s=3600, rate_bytes=1 << 30)
         trio.run(reverifier.run_round)
 
     one_round()
@@ -452,6 +462,9 @@ def test_a_file_is_reverified_a_period_after_its_last_verification_even_across_r
     assert revoked.files == [(FILE_ID, VERSION)]
     assert not cache.verified(FILE_ID, VERSION)
     assert [cache.contains(key) for key in keys] == [True, True, False]
+    # a copy of the changed block held in memory is dropped too: the next read fetches it and caches it again
+    [discarded] = held.predicates
+    assert [discarded(key) for key in keys] == [False, False, True]
 
 
 @dataclasses.dataclass

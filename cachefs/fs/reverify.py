@@ -7,8 +7,9 @@ verified in this boot is hashed again block by block against the checksums
 in its index entries once its last verification is `interval_s` old (the
 time is kept in the index, so a restarted daemon does not start the period
 again), reading at most `rate_bytes` a second in a worker thread. A file that no longer matches
-loses its verified mark and its bad blocks (BlockCache.drop_changed: the
-next read fetches them from the hub again), and is revoked from
+loses its verified mark and its bad blocks (BlockCache.drop_changed), and
+any copy of them the daemon still holds in memory (so the next read fetches
+them from the hub again and the cache is whole again), and is revoked from
 passthrough, so later opens are served, and checked, by the daemon.
 """
 
@@ -16,11 +17,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import trio
 
-from ..cache import BlockCache
+from ..cache import BlockCache, BlockKey
 from ..metrics import Stats
 
 log = logging.getLogger(__name__)
@@ -41,13 +43,20 @@ class Revocable(Protocol):
     def revoke(self, file_id: bytes, version: bytes) -> None: ...
 
 
+class HeldCopies(Protocol):
+    """The fetcher: drops blocks from memory (Fetcher.discard_pending)."""
+
+    def discard_pending(self, predicate: Callable[[BlockKey], bool]) -> None: ...
+
+
 class Reverifier:
     """Re-verifies each verified data file `interval_s` after its last verification, at most `rate_bytes` a second."""
 
-    def __init__(self, cache: BlockCache, passthrough: Revocable, stats: Stats, *,
+    def __init__(self, cache: BlockCache, passthrough: Revocable, held: HeldCopies, stats: Stats, *,
                  interval_s: float, rate_bytes: int) -> None:
         self._cache = cache
         self._passthrough = passthrough
+        self._held = held
         self._stats = stats
         self._interval_s = interval_s
         self._rate_bytes = rate_bytes
@@ -83,6 +92,9 @@ class Reverifier:
             return
         # The mark goes first: from then on no new open is handed the data file.
         await trio.to_thread.run_sync(self._cache.drop_changed, bad)
+        # A held copy would be served instead of a fetch, and the block never cached again.
+        changed = set(bad)
+        self._held.discard_pending(changed.__contains__)
         self._passthrough.revoke(file_id, version)
         self._stats.reverify_failures += 1
         log.error("cached file %s changed on disk after its verification (%d bad blocks, first %s): "
