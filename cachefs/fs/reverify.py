@@ -93,6 +93,9 @@ class Reverifier:
         # The mark goes first: from then on no new open is handed the data file.
         await trio.to_thread.run_sync(self._cache.drop_changed, bad)
         # A held copy would be served instead of a fetch, and the block never cached again.
+        # After the drop, not before: a read that met the changed bytes before the drop has
+        # fetched the block again and the drop took that copy's new entry, so its held copy
+        # must go too; a read during the drop costs at most one more fetch.
         changed = set(bad)
         self._held.discard_pending(changed.__contains__)
         self._passthrough.revoke(file_id, version)
