@@ -10,9 +10,11 @@ import os
 import shutil
 import signal
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -411,6 +413,33 @@ def test_reverification_finds_a_changed_block_in_steps_and_drops_only_it(cache: 
     assert cache.verified_versions() == [] and not cache.verified(FILE_ID, VERSION)
     assert [cache.contains(key) for key in keys] == [True, False, True]
     assert stat.S_IMODE(os.stat(cache.store.path(FILE_ID, VERSION)).st_mode) == 0o600
+
+
+def _in_another_thread(work: Callable[[], object]) -> None:
+    """Run `work` on another OS thread, as the cache writer or an operator's evict would, and wait for it."""
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+
+
+@pytest.mark.parametrize("drop", ["evicted", "evicted by the operator"])
+def test_a_block_dropped_while_reverified_is_no_change_on_disk(cache: BlockCache, drop: str) -> None:
+    """A full cache evicts verified files too: a block dropped between the step's index read
+    and its disk read reads as a hole (or a missing file), which is no change on disk."""
+    keys = _insert_file(cache)
+    assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == {(FILE_ID, VERSION)}
+    store_read = cache.store.read
+
+    def read_after_the_drop(key: BlockKey, *args: Any, **kwargs: Any) -> Any:
+        if key == keys[1]:
+            if drop == "evicted by the operator":
+                _in_another_thread(lambda: cache.evict_file(FILE_ID))
+            else:
+                _in_another_thread(lambda: cache.remove(keys[1]))
+        return store_read(key, *args, **kwargs)
+
+    cache.store.read = read_after_the_drop  # type: ignore[method-assign]
+    assert cache.reverify_blocks(FILE_ID, VERSION, 0, 1 << 30) == (None, sum(LENGTHS), [])
 
 
 class _Revoked:

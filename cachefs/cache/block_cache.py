@@ -194,14 +194,19 @@ class BlockCache:
         """Bytes [start, stop) of a block, chunk-aligned, checked against their chunk sums; a bad block is dropped."""
         data = self._read_intact(key, entry, start, stop, nowait, from_disk=from_disk)
         if data is None:
-            current = self.index.get(key)
-            if current is None or current.seq != entry.seq:
+            if not self._still_indexed(key, entry):
                 return None  # evicted (or replaced) while it was being read: a plain miss
             log.warning("cached %s is missing or corrupt; dropping it", key)
             self._stats.corrupt_blocks += 1
             self.remove(key)
             return None
         return data
+
+    def _still_indexed(self, key: BlockKey, entry: IndexEntry) -> bool:
+        """Whether `entry` is still the block's entry: one evicted (or replaced) after it was
+        looked up reads as a hole or a missing file, which says nothing about the disk."""
+        current = self.index.get(key)
+        return current is not None and current.seq == entry.seq
 
     def contains(self, key: BlockKey) -> bool:
         return self.index.present([key])[0]
@@ -408,7 +413,8 @@ class BlockCache:
                         max_bytes: int) -> tuple[int | None, int, list[BlockKey]]:
         """Worker thread: re-hash a verified file version's cached blocks from
         `first_blockno` on, about `max_bytes` of them. Returns the block to go on from
-        (None: the end), the bytes read, and the blocks whose bytes no longer match."""
+        (None: the end), the bytes read, and the blocks whose bytes no longer match
+        (not those evicted meanwhile: a cache that is full evicts verified files too)."""
         entries: list[tuple[BlockKey, IndexEntry]] = []
         next_blockno = None
         planned = 0
@@ -418,7 +424,9 @@ class BlockCache:
                 break
             entries.append((key, entry))
             planned += entry.length
-        bad = [key for key, entry in entries if self._read_intact(key, entry, 0, entry.length, False, from_disk=True) is None]
+        bad = [key for key, entry in entries
+               if self._read_intact(key, entry, 0, entry.length, False, from_disk=True) is None
+               and self._still_indexed(key, entry)]
         return next_blockno, planned, bad
 
     def drop_changed(self, keys: list[BlockKey]) -> None:
