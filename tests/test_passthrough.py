@@ -363,6 +363,39 @@ def test_a_verified_data_file_is_sealed_and_only_a_drop_unseals_it(cache: BlockC
     assert cache.insert_many([(keys[0], b"\x01" * BLOCK, False)]) == 1
 
 
+@pytest.mark.parametrize("small", [False, True], ids=["read back", "small file as inserted"])
+def test_a_block_dropped_while_its_file_is_sealed_leaves_the_file_unsealed(cache: BlockCache, small: bool) -> None:
+    """The mark is committed, then the file sealed: a drop of one of its blocks in between
+    (the cache writer's eviction, a corrupt read) unseals it before the seal. The file must
+    end unsealed, so that the block can be cached again and the file verified again."""
+    lengths = [100] if small else LENGTHS
+    keys = [BlockKey(FILE_ID, VERSION, blockno) for blockno in range(len(lengths))]
+    data = [bytes([blockno + 1]) * length for blockno, length in enumerate(lengths)]
+    mark_verified, add = cache.index.mark_verified, cache.index.add
+
+    def then_dropped(commit: Callable[..., Any]) -> Callable[..., Any]:
+        def commit_then_drop(*args: Any) -> Any:
+            committed = commit(*args)
+            _in_another_thread(lambda: cache.remove(keys[0]))
+            return committed
+        return commit_then_drop
+
+    if small:
+        cache.verify_small_files_on_insert(True)
+        cache.index.add = then_dropped(add)  # type: ignore[method-assign]
+        assert cache.insert_many([(keys[0], data[0], False)]) == 1
+    else:
+        assert cache.insert_many([(key, block, False) for key, block in zip(keys, data, strict=True)]) == len(keys)
+        cache.index.mark_verified = then_dropped(mark_verified)  # type: ignore[method-assign]
+        assert cache.verify_files([(FILE_ID, VERSION, lengths)]) == {(FILE_ID, VERSION)}
+    cache.index.mark_verified, cache.index.add = mark_verified, add  # type: ignore[method-assign]
+    assert not cache.verified(FILE_ID, VERSION)
+    assert stat.S_IMODE(os.stat(cache.store.path(FILE_ID, VERSION)).st_mode) == 0o600
+    cache.verify_small_files_on_insert(False)
+    assert cache.insert_many([(keys[0], data[0], False)]) == 1  # fetched again: cached again
+    assert cache.verify_files([(FILE_ID, VERSION, lengths)]) == {(FILE_ID, VERSION)}
+
+
 def test_a_small_file_is_verified_and_sealed_as_it_is_inserted(cache: BlockCache) -> None:
     """A file of one short block written through the page cache needs no read-back (it would
     read the pages just written): once passthrough is on, inserting it verifies and seals it."""

@@ -263,8 +263,8 @@ class BlockCache:
                     self.store.delete(key)
                 self._note_store_failure(exc)
                 return 0
-            for key in verified:  # after the commit, as verify_files does: a crash leaves it unsealed
-                self.store.seal(key.file_id, key.version)
+            # after the commit, as verify_files does: a crash leaves it unsealed
+            self._seal_verified([(key.file_id, key.version) for key in verified])
             self._stats.verified_files += len(verified)
             if self._share is not None:
                 self._share.note_used(self.index.used_bytes(), self.pinned_bytes())
@@ -396,9 +396,18 @@ class BlockCache:
         checked = [blocks for file_id, version, lengths in files
                    if not self.verified(file_id, version) and (blocks := self._check_file(file_id, version, lengths))]
         marked = self.index.mark_verified(checked, boot_id(), time.time()) if checked else []
-        for file_id, version in marked:
-            self.store.seal(file_id, version)
+        self._seal_verified(marked)
         return set(marked)
+
+    def _seal_verified(self, files: list[tuple[bytes, bytes]]) -> None:
+        """Seal the data files of file versions just marked verified. A drop of one of
+        their blocks (eviction, a corrupt read) may have taken the mark and unsealed the
+        file between the commit and the seal: such a file is unsealed again, else the
+        block could never be written back and the file never verified again."""
+        for file_id, version in files:
+            self.store.seal(file_id, version)
+            if not self.verified(file_id, version):  # a drop takes the mark before it unseals
+                self.store.unseal(file_id, version)
 
     def verified_versions(self) -> list[tuple[bytes, bytes, float]]:
         """(file id, version, wall-clock time of the last verification) of the file versions
