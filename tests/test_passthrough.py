@@ -550,6 +550,40 @@ def _verifying_passthrough(cache: BlockCache, monkeypatch: pytest.MonkeyPatch, d
 
 
 @pytest.mark.trio
+@pytest.mark.parametrize("removal", ["evict", "purge", "stale version"])
+async def test_an_open_never_hands_the_kernel_a_data_file_made_after_its_check(
+        cache: BlockCache, monkeypatch: pytest.MonkeyPatch, removal: str) -> None:
+    """A hold keeps a file's blocks, not its path: an operator's evict (or a purge, or a
+    refresh dropping a stale version) removes the data file between the open's verified
+    check and its opening it, and the cache writer starts a new one at that path with the
+    file's last block. That file has the right size and holes: it is served by the daemon."""
+    keys = _insert_file(cache)
+    assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == {(FILE_ID, VERSION)}
+    handed: list[bytes] = []
+    monkeypatch.setattr(passthrough_module, "_register_backing", lambda fd: handed.append(os.pread(fd, 1 << 20, 0)) or 7)
+    passthrough, _stats, inode = _verifying_passthrough(cache, monkeypatch, 1.0)
+    remove = {"evict": lambda: cache.evict_file(FILE_ID), "purge": cache.purge,
+              "stale version": lambda: cache.drop_versions([keys])}[removal]
+    verified = cache.verified
+    new_sizes = []
+
+    def verified_then_removed(file_id: bytes, version: bytes) -> bool:
+        answer = verified(file_id, version)
+        _in_another_thread(remove)
+        _in_another_thread(lambda: cache.insert_many([(keys[2], b"\x03" * LENGTHS[2], False)]))  # the writer
+        new_sizes.append(os.path.getsize(cache.store.path(FILE_ID, VERSION)))
+        return answer
+
+    cache.verified = verified_then_removed  # type: ignore[method-assign]
+    assert passthrough.open(inode) == 0 and handed == []  # served by the daemon, which checks every read
+    assert new_sizes == [sum(LENGTHS)]  # the new data file: as large as the file, with holes
+    passthrough.release(inode)
+    cache.verified = verified  # type: ignore[method-assign]
+    assert passthrough.open(inode) == 0  # not whole any more: still the daemon
+    passthrough.release(inode)
+
+
+@pytest.mark.trio
 async def test_a_file_whose_last_block_reaches_the_cache_late_is_verified_once_it_does(
         cache: BlockCache, monkeypatch: pytest.MonkeyPatch) -> None:
     """A loaded machine's cache writer can be seconds behind a file's release: the file found

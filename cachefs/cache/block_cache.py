@@ -121,6 +121,9 @@ class BlockCache:
         self._held_lock = threading.Lock()
         self._held: collections.Counter[tuple[bytes, bytes]] = collections.Counter()
         self._dropping: collections.Counter[tuple[bytes, bytes]] = collections.Counter()
+        # Times data files were removed whole (an operator's evict, stale versions, purge):
+        # holding a file keeps its blocks, not its path (see unlinks()).
+        self._unlinks = 0
         self._verify_small_files = False
 
     def verify_small_files_on_insert(self, on: bool) -> None:
@@ -472,12 +475,21 @@ class BlockCache:
     def hold(self, file_id: bytes, version: bytes) -> bool:
         """Keep a file version's blocks on disk while the kernel reads its data file;
         False if a block of it is being dropped right now. Check `verified` after
-        holding: a block dropped before the hold has cleared the mark by then."""
+        holding: a block dropped before the hold has cleared the mark by then; and
+        `unlinks` before that check and after opening the data file."""
         with self._held_lock:
             if (file_id, version) in self._dropping:
                 return False
             self._held[(file_id, version)] += 1
         return True
+
+    def unlinks(self) -> int:
+        """How many times data files were removed whole. They are removed (with their
+        entries, under the cache lock, before a writer can make a new one) whether held
+        or not: the kernel's open file keeps its bytes. But a data file opened after its
+        verified check may be a new, partly written one at the same path; the same count
+        before the check and after the open says it is the file that was verified."""
+        return self._unlinks
 
     def unhold(self, file_id: bytes, version: bytes) -> None:
         with self._held_lock:
@@ -532,6 +544,7 @@ class BlockCache:
         with self._lock:
             blocks = self.index.file_blocks(file_id)
             self.index.remove_many(key for key, _length in blocks)
+            self._unlinks += 1
             self.store.delete_file(file_id)
         return sum(length for _key, length in blocks)
 
@@ -551,6 +564,7 @@ class BlockCache:
         """Drop these versions' blocks (each list all of a version's) and their data files."""
         with self._lock:
             self.index.remove_many(key for keys in versions for key in keys)
+            self._unlinks += 1
             for keys in versions:
                 self.store.delete_version(keys[0].file_id, keys[0].version)
 
@@ -566,6 +580,7 @@ class BlockCache:
         """Drop every cached block and remove the block files; returns the block count."""
         with self._lock:
             count = self.index.clear()
+            self._unlinks += 1
             self.store.delete_all()
         return count
 

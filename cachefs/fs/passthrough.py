@@ -189,8 +189,9 @@ class Passthrough:
             return 0
         backing_id = 0
         try:
+            unlinks = self._cache.unlinks()
             if self._cache.verified(inode.file_id, inode.version):
-                backing_id = self._open_backing(inode)
+                backing_id = self._open_backing(inode, unlinks)
         finally:
             if not backing_id:
                 self._cache.unhold(inode.file_id, inode.version)
@@ -202,13 +203,16 @@ class Passthrough:
         """A loader's plan follows its reads block by block: keep them in the daemon then."""
         return self._plans.active()
 
-    def _open_backing(self, inode: Inode) -> int:
+    def _open_backing(self, inode: Inode, unlinks: int) -> int:
+        """Register the inode's data file, verified while the cache's unlink count was `unlinks`."""
         try:
             fd = os.open(self._cache.store.path(inode.file_id, inode.version), os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
             log.warning("cannot open the data file of inode %d: %s", inode.ino, exc)
             return 0
         try:
+            if self._cache.unlinks() != unlinks:  # it may be a new data file at that path (BlockCache.unlinks)
+                return 0
             if os.fstat(fd).st_size != inode.size:
                 log.warning("the data file of inode %d is not %d bytes long; serving it through the daemon",
                             inode.ino, inode.size)
