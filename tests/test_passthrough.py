@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import pytest
 import trio
 from cache_helpers import block_cache
@@ -581,6 +582,60 @@ async def test_an_open_never_hands_the_kernel_a_data_file_made_after_its_check(
     cache.verified = verified  # type: ignore[method-assign]
     assert passthrough.open(inode) == 0  # not whole any more: still the daemon
     passthrough.release(inode)
+
+
+def _failing_once(commit: Callable[..., Any]) -> Callable[..., Any]:
+    """An index write whose first commit fails as on a full disk (LMDB raises; nothing is written)."""
+    calls = []
+
+    def commit_or_fail(*args: Any) -> Any:
+        calls.append(args)
+        if len(calls) == 1:
+            raise lmdb.DiskError("No space left on device")
+        return commit(*args)
+    return commit_or_fail
+
+
+@pytest.mark.trio
+async def test_a_verification_the_index_cannot_record_is_tried_again_and_the_mount_goes_on(
+        cache: BlockCache, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    _insert_file(cache)
+    passthrough, stats, inode = _verifying_passthrough(cache, monkeypatch, 0.01)
+    monkeypatch.setattr(cache.index, "mark_verified", _failing_once(cache.index.mark_verified))
+    assert passthrough.open(inode) == 0
+    passthrough.release(inode)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(passthrough.run_verifier)
+        for _ in range(500):  # 5 s at most; looked at again after 0.02 s
+            if cache.verified(FILE_ID, VERSION):
+                break
+            await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert stats.verified_files == 1 and "No space left on device" in caplog.text
+    assert stat.S_IMODE(os.stat(cache.store.path(FILE_ID, VERSION)).st_mode) == 0o400
+
+
+def test_a_changed_file_whose_mark_the_index_cannot_drop_is_no_longer_verified(
+        cache: BlockCache, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The index cannot commit the drop of a changed block (a full disk): the file must not
+    be handed to the kernel again all the same, and the next round drops the block."""
+    keys = _insert_file(cache)
+    assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == {(FILE_ID, VERSION)}
+    with open(cache.store.path(FILE_ID, VERSION), "r+b") as disk:
+        disk.seek(5)
+        disk.write(b"\xff")
+    monkeypatch.setattr(cache.index, "remove_many", _failing_once(cache.index.remove_many))
+    passthrough, stats, inode = _verifying_passthrough(cache, monkeypatch, 1.0)
+    reverifier = Reverifier(cache, passthrough, _HeldCopies(), stats, interval_s=3600, rate_bytes=1 << 30)
+    cache.index.reverified(FILE_ID, VERSION, boot_id(), time.time() - 3601)  # due
+    trio.run(reverifier.run_round)
+    assert stats.reverify_failures == 1 and "No space left on device" in caplog.text
+    assert cache.contains(keys[0]) and not cache.verified(FILE_ID, VERSION)  # still indexed, not trusted
+    assert cache.hold(FILE_ID, VERSION)
+    assert passthrough._backing_id(inode) == 0  # served by the daemon, which checks every read
+    trio.run(reverifier.run_round)  # still due: found again, and dropped this time
+    assert stats.reverify_failures == 2 and not cache.contains(keys[0])
+    assert stat.S_IMODE(os.stat(cache.store.path(FILE_ID, VERSION)).st_mode) == 0o600
 
 
 @pytest.mark.trio

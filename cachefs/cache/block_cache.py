@@ -124,6 +124,9 @@ class BlockCache:
         # Times data files were removed whole (an operator's evict, stale versions, purge):
         # holding a file keeps its blocks, not its path (see unlinks()).
         self._unlinks = 0
+        # File versions found changed on disk whose mark the index could not drop (its
+        # commit failed): not verified, whatever the index says, until verified again.
+        self._changed: set[tuple[bytes, bytes]] = set()
         self._verify_small_files = False
 
     def verify_small_files_on_insert(self, on: bool) -> None:
@@ -396,9 +399,13 @@ class BlockCache:
         blocks are all there and match as verified for this boot, in one commit.
         Returns the (file id, version) marked. A corrupt block is dropped. One
         verified already (a small file, as it was inserted) is not read again."""
-        checked = [blocks for file_id, version, lengths in files
-                   if not self.verified(file_id, version) and (blocks := self._check_file(file_id, version, lengths))]
-        marked = self.index.mark_verified(checked, boot_id(), time.time()) if checked else []
+        try:
+            checked = [blocks for file_id, version, lengths in files
+                       if not self.verified(file_id, version) and (blocks := self._check_file(file_id, version, lengths))]
+            marked = self.index.mark_verified(checked, boot_id(), time.time()) if checked else []
+        except lmdb.Error as exc:  # a full disk: they stay with the daemon, which checks every read
+            self._note_store_failure(exc)
+            return set()
         self._seal_verified(marked)
         return set(marked)
 
@@ -407,6 +414,7 @@ class BlockCache:
         their blocks (eviction, a corrupt read) may have taken the mark and unsealed the
         file between the commit and the seal: such a file is unsealed again, else the
         block could never be written back and the file never verified again."""
+        self._changed.difference_update(files)  # verified again since they were found changed
         for file_id, version in files:
             self.store.seal(file_id, version)
             if not self.verified(file_id, version):  # a drop takes the mark before it unseals
@@ -418,8 +426,12 @@ class BlockCache:
         return self.index.verified_during(boot_id())
 
     def reverified(self, file_id: bytes, version: bytes) -> None:
-        """A verified file version matched again: its next re-verification is a period from now."""
-        self.index.reverified(file_id, version, boot_id(), time.time())
+        """A verified file version matched again: its next re-verification is a period from now
+        (if the index cannot record that, a full disk, the next round hashes it again)."""
+        try:
+            self.index.reverified(file_id, version, boot_id(), time.time())
+        except lmdb.Error as exc:
+            self._note_store_failure(exc)
 
     def reverify_blocks(self, file_id: bytes, version: bytes, first_blockno: int,
                         max_bytes: int) -> tuple[int | None, int, list[BlockKey]]:
@@ -445,9 +457,16 @@ class BlockCache:
         """Drop blocks whose bytes changed on disk after their file was verified: their
         entries and the file's verified mark go (so they are fetched again), the data
         file is unsealed, and their bytes punched out unless the kernel holds the file
-        open (then the next fetch writes the hub's bytes over them)."""
+        open (then the next fetch writes the hub's bytes over them). If the index
+        cannot drop them (a full disk), the files are no longer verified all the same:
+        later opens are served, and checked, by the daemon."""
         with self._lock:
-            self.index.remove_many(keys)
+            self._changed.update((key.file_id, key.version) for key in keys)
+            try:
+                self.index.remove_many(keys)
+            except lmdb.Error as exc:
+                self._note_store_failure(exc)
+                return
             for file_id, version in {(key.file_id, key.version) for key in keys}:
                 self.store.unseal(file_id, version)
             for key in keys:
@@ -470,7 +489,7 @@ class BlockCache:
 
     def verified(self, file_id: bytes, version: bytes) -> bool:
         """Whether every block of the file version is cached and was verified since boot."""
-        return self.index.verified_boot(file_id, version) == boot_id()
+        return (file_id, version) not in self._changed and self.index.verified_boot(file_id, version) == boot_id()
 
     def hold(self, file_id: bytes, version: bytes) -> bool:
         """Keep a file version's blocks on disk while the kernel reads its data file;
