@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Final
 
 import xxhash
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from hubserver import handlers
 from hubserver.clients import request_client
@@ -224,15 +224,17 @@ def whole_blocks(byte_range: tuple[int, int], size_bytes: int, block_bytes: int)
 async def file_data(request: web.Request) -> web.StreamResponse:
     """`GET /v1/files/{id}?v=[&bs=]`: the file's bytes (handlers.file_data); with
     `bs`, the checksums of the blocks the range covers whole in SUMS_HEADER (so the
-    hub hashes no more than it sends)."""
+    hub hashes no more than it sends, and no more than for a checksums request)."""
     block_bytes = block_bytes_param(request) if "bs" in request.query else None
     response = await handlers.file_data(request)
     if block_bytes is None or not isinstance(response, handlers.SnapshotFileResponse):
         return response  # no sums asked for, or an error answer
+    if request.method == hdrs.METH_HEAD:
+        return response  # no body: the sums would be bytes hashed for nothing sent
     record = response.record
     blocks = whole_blocks(response.byte_range or (0, record.size_bytes - 1), record.size_bytes, block_bytes)
-    if record.size_bytes == 0 or not 0 < len(blocks) <= MAX_HEADER_SUMS:
-        return response
+    if record.size_bytes == 0 or not 0 < len(blocks) <= MAX_HEADER_SUMS or len(blocks) * block_bytes > MAX_HASHED_BYTES:
+        return response  # the spoke asks the checksums endpoint, whose requests hash no more
     snapshot = request.app[SNAPSHOT_KEY].current
     checksums = request.app[CHECKSUMS_KEY]
     first = blocks.start

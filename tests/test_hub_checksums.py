@@ -68,6 +68,17 @@ def get_with_headers(url: str, range_header: str | None = None) -> tuple[int, di
         return exc.code, dict(exc.headers), exc.read()
 
 
+def head_of(url: str, range_header: str | None = None, method: str = "GET") -> dict[str, str]:
+    """The headers of an answer, its body left unread (the hub computes the sums before them)."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.netloc, timeout=30)
+    try:
+        connection.request(method, f"{parts.path}?{parts.query}", headers={"Range": range_header} if range_header else {})
+        return dict(connection.getresponse().headers)
+    finally:
+        connection.close()
+
+
 def test_data_answers_carry_the_sums_of_the_blocks_they_cover_whole(tmp_path: Path) -> None:
     block = 64 * KiB
     data = bytes(range(256)) * 1000 + b"tail"  # blocks 0-2 full, block 3 short
@@ -258,6 +269,10 @@ def test_the_hashing_one_request_causes_is_bounded(tmp_path: Path) -> None:
                 assert status == 206 and "Cachefs-Block-Sums" not in headers, (bs, range_header)
         status, headers, body = get_with_headers(f"{data_url}&bs={64 * KiB}", f"bytes=1-{3 * 64 * KiB - 1}")
         assert headers["Cachefs-Block-Sums"].startswith(f"bs={64 * KiB}; first=1; ")  # blocks 1 and 2, sent whole
+        # Sums in the header for at most 256 MiB, as the checksums endpoint; none for a HEAD (no body).
+        assert "Cachefs-Block-Sums" in head_of(f"{data_url}&bs={64 << 20}", f"bytes=0-{(256 << 20) - 1}")
+        assert "Cachefs-Block-Sums" not in head_of(f"{data_url}&bs={64 << 20}", f"bytes=0-{(320 << 20) - 1}")
+        assert "Cachefs-Block-Sums" not in head_of(f"{data_url}&bs={32 << 20}", method="HEAD")
         for too_much in ("bs=67108864&first=0&count=5", "bs=65536&first=0&count=4097", "bs=1048576&first=0&count=257"):
             assert get(f"{sums_url}&{too_much}")[0] == 400, too_much
         for most in ("bs=67108864&first=4&count=4", "bs=65536&first=0&count=4096"):
@@ -266,7 +281,8 @@ def test_the_hashing_one_request_causes_is_bounded(tmp_path: Path) -> None:
         files_hashed, files_sent = hashed_bytes(hub.url, endpoint="files"), hub_metric(
             hub.url, "cachefs_hub_sent_bytes_total", endpoint="files")
         checksums_hashed = hashed_bytes(hub.url, endpoint="checksums")
-    assert files_hashed == 2 * 64 * KiB <= files_sent
+    assert files_hashed == 2 * 64 * KiB + (256 << 20)  # not the 320 MiB range's, nor the HEAD's 512 MiB
+    assert files_sent >= 2 * 64 * KiB
     assert checksums_hashed == 2 * (256 << 20) - 2 * 64 * KiB  # less the two blocks the data request summed
 
 
