@@ -238,7 +238,7 @@ async def send_file_range(request: web.BaseRequest, fd: int, record: FileRecord,
     """Send `length` bytes of the open descriptor from `offset` as (part of) a prepared
     response's body, with sendfile. A file that shrank ends the connection at once."""
     transport = request.transport
-    if transport is None:
+    if transport is None or transport.is_closing():  # the client went away (asyncio would raise RuntimeError)
         raise ConnectionResetError("connection lost")
     with open(fd, "rb", buffering=0, closefd=False) as file:  # noqa: ASYNC230 (wraps the open descriptor)
         sent = await asyncio.get_running_loop().sendfile(transport, file, offset, length)

@@ -7,6 +7,7 @@ import contextlib
 import gzip
 import json
 import socket
+import struct
 import time
 from pathlib import Path
 
@@ -162,3 +163,23 @@ def test_clients_reading_batches_slowly_hold_no_slot(tmp_path: Path) -> None:
         finally:
             for client in slow:
                 client.close()
+
+
+def test_clients_that_reset_a_batch_part_way_are_no_error(tmp_path: Path) -> None:
+    """A client that resets its connection while the hub opens the batch's next file is a
+    client gone (499 in the access log), not an error with a traceback in the hub's log."""
+    contents = {f"f{i:02d}.bin": bytes([i]) * (4 * KiB) for i in range(64)}
+    for name, data in contents.items():
+        (tmp_path / name).write_bytes(data)
+    with running_hub(tmp_path) as hub:
+        entries = fetch_manifest(hub).files()
+        names = ",".join(f"{entries[name]['i']}.{entries[name]['v']}" for name in contents)
+        request = f"GET /v1/batch?bs={64 * KiB}&f={names} HTTP/1.1\r\nHost: hub\r\n\r\n".encode()
+        for attempt in range(100):
+            with socket.create_connection((hub.host, hub.port), timeout=10) as client:
+                client.sendall(request)
+                client.recv(1024 + 97 * attempt)  # the head and a part of the body
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+        assert http_get(hub, f"/v1/batch?bs={64 * KiB}&f={names}").status == 200
+        log = hub.stderr_text()
+    assert "Traceback" not in log and "unexpected error" not in log, log[-2000:]
