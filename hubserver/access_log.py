@@ -27,14 +27,18 @@ def printable(text: str, limit_chars: int = 200) -> str:
 # it may carry a secret (a token someone put in the URL, ?access_token=...).
 _LOGGABLE_QUERY_RE: Final = re.compile(r"(?:(?:v|bs|first|count|f)=[0-9a-f.,]*)(?:&(?:v|bs|first|count|f)=[0-9a-f.,]*)*")
 REDACTED_QUERY: Final = "<query redacted>"
+# The user and password of an absolute-form request target (`GET http://user:pass@host/...`).
+_USERINFO_RE: Final = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
 
 
 def loggable_target(request: web.BaseRequest) -> str:
-    """The request target for a log line: the path, and the query only if it is made of
-    the protocol's parameters (else REDACTED_QUERY), escaped and cut as by `printable`."""
+    """The request target for a log line: the path (without the user and password an
+    absolute-form target may carry), and the query only if it is made of the protocol's
+    parameters (else REDACTED_QUERY), escaped and cut as by `printable`."""
     path, sep, query = request.raw_path.partition("?")
     if sep and not _LOGGABLE_QUERY_RE.fullmatch(query):
         query = REDACTED_QUERY
+    path = _USERINFO_RE.sub(r"\1", path)
     return printable(path + sep + query, 300)
 
 

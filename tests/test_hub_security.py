@@ -1042,6 +1042,7 @@ _LEAKY_REQUESTS = {
     b"Authorization: Bearer " + ALICE.encode() + b"\r\nConnection: close\r\n\r\n",
     "query-key": b"GET /v1/manifest?%s HTTP/1.1\r\nHost: hub\r\n"
     b"Authorization: Bearer " + ALICE.encode() + b"\r\nConnection: close\r\n\r\n",
+    "absolute-form-userinfo": b"GET http://spoke:%s@hub/v1/manifest HTTP/1.1\r\nHost: hub\r\nConnection: close\r\n\r\n",
 }
 
 
