@@ -53,6 +53,7 @@ async def _snapshot_ctx(app: web.Application) -> AsyncIterator[None]:
         snapshot.generation,
         scan_s,
     )
+    del snapshot  # suspended here for the hub's life: a rescan must be able to free this one
     async for _ in rescan.interval_ctx(app, config.rescan_interval_s):
         yield
 

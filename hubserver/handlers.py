@@ -103,7 +103,10 @@ async def manifest(request: web.Request) -> web.StreamResponse:
     the handler with ConnectionError.
     """
     check_query(request, NO_QUERY)
+    # The manifest's bytes only: a slow reader must not keep a replaced snapshot's file table alive.
     snapshot = request.app[SNAPSHOT_KEY].current
+    manifest_gz, entry_count = snapshot.manifest_gz, snapshot.entry_count
+    del snapshot
     chunk_bytes = request.app[MANIFEST_CHUNK_BYTES_KEY]
     response = web.StreamResponse(
         headers={
@@ -114,7 +117,7 @@ async def manifest(request: web.Request) -> web.StreamResponse:
     )
     response.enable_chunked_encoding()
     await response.prepare(request)
-    body = memoryview(snapshot.manifest_gz)
+    body = memoryview(manifest_gz)
     sent_bytes = 0
     try:
         while sent_bytes < len(body):
@@ -126,7 +129,7 @@ async def manifest(request: web.Request) -> web.StreamResponse:
         log.info("manifest: client %s went away after %d bytes: %s", request.remote, sent_bytes, exc)
         raise
     request[BODY_BYTES_KEY] = sent_bytes
-    log.debug("manifest: sent %d gzip bytes, %d entries", sent_bytes, snapshot.entry_count)
+    log.debug("manifest: sent %d gzip bytes, %d entries", sent_bytes, entry_count)
     return response
 
 

@@ -3,7 +3,9 @@ loopback, spoken to with the standard library's HTTP client."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import gc
 import gzip
 import http.client
 import json
@@ -23,14 +25,19 @@ from typing import Any
 
 import pytest
 import xxhash
+from aiohttp.test_utils import TestServer
 from hub_helpers import HubProcess, Manifest, fetch_manifest, run_hub_cli, running_hub
 from hub_helpers import http_get as get
 
 from cachefs.db import open_namespace_db
 from cachefs.namespace.tree import load_manifest
+from hubserver.app import make_app
+from hubserver.config import HubConfig
 from hubserver.files import check_unchanged
 from hubserver.manifest import ManifestWriter, header_line
+from hubserver.rescan import SNAPSHOT_KEY
 from hubserver.scan import scan
+from hubserver.snapshot import Snapshot
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -307,6 +314,36 @@ def test_large_manifest_streams_in_many_chunks(tmp_path: Path) -> None:
     lines = gzip.decompress(body).splitlines()
     assert json.loads(lines[0])["entries"] == len(expected) == len(lines) - 1
     assert [json.loads(line)["p"] for line in lines[1:]] == expected
+
+
+def test_a_slow_manifest_reader_keeps_no_replaced_snapshot_alive(tmp_path: Path) -> None:
+    """A client reading the manifest slowly through a rescan holds the bytes of the manifest
+    it was being sent, not the old snapshot and its table of files (one per slow reader)."""
+    root = tmp_path / "root"
+    for d in range(20):
+        (root / f"d{d:02d}").mkdir(parents=True)
+        for n in range(500):
+            (root / f"d{d:02d}" / f"{xxhash.xxh3_64_hexdigest(f'{d}/{n}'.encode())}.bin").write_bytes(b"x")
+
+    async def scenario() -> None:
+        app = make_app(HubConfig(root=root, access_log=False))
+        async with TestServer(app) as server:
+            holder = app[SNAPSHOT_KEY]
+            assert len(holder.current.manifest_gz) > 256 << 10  # more than the socket buffers below take
+            with socket.socket() as slow:
+                slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                slow.connect(("127.0.0.1", server.port))
+                await asyncio.sleep(0.1)
+                [connection] = server.runner.server.connections  # type: ignore[union-attr]
+                connection.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+                slow.sendall(b"GET /v1/manifest HTTP/1.1\r\nHost: hub\r\n\r\n")  # and reads nothing
+                await asyncio.sleep(0.5)  # the handler waits for the client to read
+                await holder.rescan()
+                gc.collect()
+                assert sum(type(thing) is Snapshot for thing in gc.get_objects()) == 1  # the new one only
+                assert slow.recv(64).startswith(b"HTTP/1.1 200 ")
+
+    asyncio.run(scenario())
 
 
 # --------------------------------------------------------------- file data
