@@ -63,6 +63,8 @@ IDLE_TRIM_S = 1.0
 # Block buffer slots free this long give their pages back even while the daemon is busy: the heap
 # (small files after shards) cannot use the pool's spare memory (docs/performance.md).
 SPARE_SLOT_S = 0.25
+# How often read-ahead blocks nobody read are looked at for their age limit (30 s by default).
+READ_AHEAD_EXPIRY_S = 5.0
 # A lock held by another tenant's liveness probe is free again within microseconds,
 # one held while another tenant reclaims this one's blocks within a second or so;
 # one held by a daemon is not within these 3 s.
@@ -276,6 +278,7 @@ async def _serve(
             nursery.start_soon(_save_policy_periodically, cache)
             nursery.start_soon(trim_when_idle, stats, lambda: trio.to_thread.run_sync(_trim, buffers))
             nursery.start_soon(_trim_spare_slots, buffers)
+            nursery.start_soon(expire_unread_read_ahead, held)
             nursery.start_soon(_keep_to_share, cache, share)
             if config.refresh_interval_s:
                 nursery.start_soon(snapshots.poll, config.refresh_interval_s, refresh)  # cancels plans too
@@ -425,6 +428,14 @@ async def _trim_spare_slots(buffers: BlockBuffers) -> None:
     while True:
         await trio.sleep(SPARE_SLOT_S)
         buffers.trim(free_for_s=SPARE_SLOT_S)
+
+
+async def expire_unread_read_ahead(held: HeldBlocks) -> None:
+    """Every READ_AHEAD_EXPIRY_S, drop read-ahead blocks past their age limit, so that they
+    leave memory (and the plan's share) even when no new read-ahead block comes to push them out."""
+    while True:
+        await trio.sleep(READ_AHEAD_EXPIRY_S)
+        held.expire_unread(trio.current_time())
 
 
 async def _terminate_on_signal() -> None:

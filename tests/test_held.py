@@ -6,8 +6,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import trio
+import trio.testing
+
 from cachefs.cache import BlockKey
 from cachefs.config import MountConfig, memory_budget, parse_hub_url
+from cachefs.daemon import expire_unread_read_ahead
 from cachefs.fetch.runs import missing_runs
 from cachefs.read.held import HeldBlocks, Owner
 
@@ -134,3 +138,24 @@ def test_missing_runs_without_a_bound_is_one_stretch_per_gap() -> None:
     assert list(missing_runs(range(5), lambda _blockno: True)) == [[0, 1, 2, 3, 4]]
     assert list(missing_runs(range(5), lambda blockno: blockno % 2 == 0)) == [[0], [2], [4]]
     assert list(missing_runs([], lambda _blockno: True)) == []
+
+
+def test_read_ahead_blocks_left_unread_leave_memory_at_their_age_limit_with_no_read_ahead_after_them() -> None:
+    """New read-ahead blocks push out old ones; with read-ahead gone quiet (a loader's plan
+    covers its files), the daemon's periodic look drops them at their age limit all the same."""
+    held = HeldBlocks(budget := memory_budget(default_config()))
+    for blockno in range(3):
+        held.arrived(key(blockno), b"r" * BLOCK, Owner.READ_AHEAD, now=0)
+    for blockno in range(2):
+        held.settled(key(blockno), now=1, cached=True, claimed=True, discarded=False)
+    held.remember(key(9), b"d" * BLOCK, now=1)
+
+    async def daemon_for(seconds: float) -> None:
+        with trio.move_on_after(seconds):
+            await expire_unread_read_ahead(held)
+
+    trio.run(daemon_for, budget.read_ahead_max_age_s - 5, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert held.bytes_of(Owner.READ_AHEAD) == 3 * BLOCK  # young yet
+    trio.run(daemon_for, budget.read_ahead_max_age_s + 10, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert held.get(key(0)) is None and held.get(key(1)) is None
+    assert held.get(key(2)) is not None and held.get(key(9)) is not None  # on its way to the cache; a reader's

@@ -158,6 +158,12 @@ class HeldBlocks:
         self._trim_demand()
         return held.data
 
+    def expire_unread(self, now: float) -> None:
+        """Drop read-ahead blocks left unread `read_ahead_max_age_s` (called on a period:
+        new read-ahead blocks push old ones out, but read-ahead may have gone quiet, as it
+        does for files a loader's plan covers)."""
+        self.expire(Owner.READ_AHEAD, now, self._budget.read_ahead_max_age_s)
+
     def drop_read_ahead(self, file_id: bytes, version: bytes) -> list[BlockKey]:
         """Drop a file version's blocks held for their first read (those written already): the
         kernel reads the file from the cache itself (passthrough). Returns their keys."""
