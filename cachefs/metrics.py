@@ -125,7 +125,7 @@ _COUNTERS = {  # Stats field -> (metric name without _total, help)
     "disk_reads": ("cachefs_disk_reads", "Reads of cached bytes that were not in the page cache"),
     "disk_reads_inline": ("cachefs_disk_reads_inline", "Small disk reads done without a worker thread"),
     "integrity_failures": ("cachefs_integrity_failures", "Hub responses that failed their checksum"),
-    "store_errors": ("cachefs_store_errors", "Blocks that could not be written to the cache"),
+    "store_errors": ("cachefs_store_errors", "Writes to the cache that failed (blocks, verification commits)"),
     "evicted_blocks": ("cachefs_evicted_blocks", "Blocks evicted"),
     "rejected_blocks": ("cachefs_rejected_blocks", "Blocks not admitted to a full cache"),
     "plan_prefetch_blocks": ("cachefs_plan_prefetch_blocks", "Blocks fetched ahead of readers along a plan"),
