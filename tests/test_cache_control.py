@@ -155,6 +155,9 @@ def test_stats_show_the_bytes_cached_under_each_top_level_directory(hub, dataset
 
 def test_warm_then_hub_down_serves_every_warmed_byte(dataset: Path, tmp_path: Path) -> None:
     with running_hub(dataset) as hub, mounted_spoke(hub.url, tmp_path, PLAIN_ARGS) as spoke:
+        for parallel in ("0", "65"):
+            refused = run_cachefs("warm", spoke.mountpoint / "small", "--parallel", parallel)
+            assert refused.returncode != 0 and refused.stderr == "cachefs: error: --parallel must be between 1 and 64\n"
         result = run_cachefs("warm", spoke.mountpoint / "small", spoke.mountpoint / "shards/shard-000.bin", "--parallel", "4")
         assert result.returncode == 0, result.stderr
         assert "fetched from" in result.stdout

@@ -125,8 +125,8 @@ class Admin:
 
     async def warm(self, request: dict[str, Any], progress: Progress) -> dict[str, Any]:
         """Fetch files into the cache, in parallel, reporting progress; optionally pin them."""
-        parallel = int(request.get("parallel") or 8)
-        if not 1 <= parallel <= MAX_PARALLEL:
+        parallel = request.get("parallel", 8)
+        if type(parallel) is not int or not 1 <= parallel <= MAX_PARALLEL:
             raise CachefsError(f"--parallel must be between 1 and {MAX_PARALLEL}")
         files = await self._files_in_thread(request.get("paths"))
         if request.get("pin"):

@@ -25,7 +25,7 @@ import socket
 import struct
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import trio
 
@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 
 SOCKET_NAME = "control.sock"
 MAX_REQUEST_BYTES = 1 << 20
+REQUEST_TIMEOUT_S = 10
+# Connections waiting to be accepted: every rank of a training job may send its plan at
+# once (up to MAX_PLANS), and a client with a timeout is refused at once beyond this.
+MAX_WAITING_CONNECTIONS = 256
 
 Progress = Callable[[dict[str, Any]], Awaitable[None]]
 Handler = Callable[[dict[str, Any], Progress], Awaitable[dict[str, Any]]]
@@ -82,7 +86,7 @@ class ControlServer:
         sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         await sock.bind(str(path))
         os.chmod(path, 0o600)
-        sock.listen(16)
+        sock.listen(MAX_WAITING_CONNECTIONS)
         listener = trio.SocketListener(sock)
         task_status.started()
         try:
@@ -111,6 +115,9 @@ class ControlServer:
                 reply: dict[str, Any] = {"ok": True, "result": result}
             except CachefsError as exc:
                 reply = {"ok": False, "error": str(exc)}
+            except trio.TooSlowError:
+                log.info("control client sent no complete request within %d s", REQUEST_TIMEOUT_S)
+                reply = {"ok": False, "error": f"no complete request within {REQUEST_TIMEOUT_S} s"}
             except Exception as exc:
                 if _client_went_away(exc):
                     log.info("control client went away; command cancelled")
@@ -132,7 +139,7 @@ def _peer_allowed(sock: trio.socket.SocketType) -> bool:
 async def _receive_request(stream: trio.SocketStream) -> tuple[dict[str, Any], bytes]:
     """The request line, and what the client sent after it."""
     data = b""
-    with trio.fail_after(10):
+    with trio.fail_after(REQUEST_TIMEOUT_S):
         while b"\n" not in data:
             chunk = await stream.receive_some(65536)
             if not chunk:
@@ -143,7 +150,7 @@ async def _receive_request(stream: trio.SocketStream) -> tuple[dict[str, Any], b
     line, _newline, rest = data.partition(b"\n")
     try:
         request = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's stack
         raise CachefsError("malformed request") from None
     if not isinstance(request, dict):
         raise CachefsError("malformed request")
@@ -172,16 +179,24 @@ def call(
             raise CachefsError(f"cannot reach the daemon at {socket_path}: {exc.strerror or exc}") from None
         sock.sendall(json.dumps(request).encode() + b"\n")
         with sock.makefile("rb") as replies:
-            for line in replies:
-                message = json.loads(line)
-                if "progress" in message:
-                    if on_progress is not None:
-                        on_progress(message["progress"])
-                    continue
-                if not message.get("ok"):
-                    raise CachefsError(message.get("error", "the daemon refused the command"))
-                result: dict[str, Any] = message.get("result", {})
-                return result
+            try:
+                return _result(replies, on_progress)
+            except TimeoutError:
+                raise CachefsError(f"the daemon at {socket_path} did not answer within {timeout_s:g} s") from None
+
+
+def _result(replies: BinaryIO, on_progress: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
+    """The command's result from the daemon's reply lines (progress reports first)."""
+    for line in replies:
+        message = json.loads(line)
+        if "progress" in message:
+            if on_progress is not None:
+                on_progress(message["progress"])
+            continue
+        if not message.get("ok"):
+            raise CachefsError(message.get("error", "the daemon refused the command"))
+        result: dict[str, Any] = message.get("result", {})
+        return result
     raise CachefsError("the daemon closed the connection without an answer")
 
 
