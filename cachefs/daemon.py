@@ -241,6 +241,7 @@ async def _serve(
                     cache,
                     _invalidate_kernel_caches,
                     lambda generation: planner.cancel_all("the mount moved to a new snapshot", generation),
+                    operations.refreshing,
                 )
 
             sections = {"training": planner.snapshot, "process": process_usage,

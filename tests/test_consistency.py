@@ -241,6 +241,72 @@ def test_a_handle_opened_before_a_refresh_never_feeds_its_bytes_to_newer_opens(d
         assert path.read_bytes() == new_bytes  # and once the old handle is closed
 
 
+def test_an_old_handle_read_to_its_end_leaves_new_opens_the_whole_longer_version(dataset: Path, tmp_path: Path) -> None:
+    """A handle of the old version reading to its end gets a short read, which sets the kernel's
+    size of the (shared) inode back to the old length: once it is closed, a stat and an open
+    must see the new version's length, not the old one's for the attribute timeout (an hour)."""
+    source = tmp_path / "source"
+    shutil.copytree(dataset, source, symlinks=True)
+    relative = "shards/shard-001.bin"
+    old_bytes = (source / relative).read_bytes()
+    new_bytes = os.urandom(len(old_bytes) + 3 * TEST_BLOCK_SIZE)
+    with running_hub(source) as hub, mounted_spoke(hub.url, tmp_path, ARGS) as spoke:
+        path = spoke.mountpoint / relative
+        old_handle = os.open(path, os.O_RDONLY)
+        try:
+            assert os.pread(old_handle, len(old_bytes), 0) == old_bytes
+            (source / "replacement").write_bytes(new_bytes)
+            os.replace(source / "replacement", source / relative)
+            with urllib.request.urlopen(urllib.request.Request(hub.url + "/v1/rescan", method="POST"), timeout=30):
+                pass
+            assert run_cachefs("refresh", spoke.mountpoint).returncode == 0
+            assert os.pread(old_handle, 2 * TEST_BLOCK_SIZE, len(old_bytes) - 100) == old_bytes[-100:]  # to its end
+        finally:
+            os.close(old_handle)
+        assert wait_until(lambda: path.stat().st_size == len(new_bytes), 5)
+        assert path.read_bytes() == new_bytes
+
+
+def test_an_open_while_the_kernel_is_told_of_a_refresh_never_mixes_versions(tmp_path: Path) -> None:
+    """The kernel is told what a refresh changed after the new generation is shown, one entry
+    after another: an open of a changed file in between, of the new version, must not be
+    served the old version's pages still in the kernel's cache (then the new one's after)."""
+    source = tmp_path / "source"
+    for directory in range(50):  # 50,000 changed entries: the kernel is told of the target last
+        (source / f"d{directory:02d}").mkdir(parents=True)
+        for index in range(1000):
+            (source / f"d{directory:02d}" / f"sample-{index:05d}.jpg").touch()
+    (source / "zz").mkdir()
+    size = 4 * TEST_BLOCK_SIZE
+    old, new = os.urandom(size), os.urandom(size)
+    (source / "zz" / "target.bin").write_bytes(old)
+    with running_hub(source) as hub, mounted_spoke(hub.url, tmp_path, ARGS) as spoke:
+        path = spoke.mountpoint / "zz" / "target.bin"
+        assert path.read_bytes() == old  # closed: its pages stay in the kernel's cache
+        stamp = time.time() + 10
+        for directory in range(50):
+            for index in range(1000):
+                os.utime(source / f"d{directory:02d}" / f"sample-{index:05d}.jpg", (stamp, stamp))
+        (source / "replacement").write_bytes(new)
+        os.replace(source / "replacement", source / "zz" / "target.bin")
+        before = hub_health(hub)["generation"]
+        hub.proc.send_signal(signal.SIGUSR1)
+        wait_for_generation_change(hub, before)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            refresh = pool.submit(run_cachefs, "refresh", spoke.mountpoint)
+            while json.loads(os.getxattr(spoke.mountpoint, "user.cachefs.stats"))["generation"] == before:
+                assert not refresh.done(), refresh.result().stderr
+                time.sleep(0.001)
+            fd = os.open(path, os.O_RDONLY)  # the new generation is shown: an open of the new version
+            try:
+                first = os.pread(fd, size // 2, 0)
+                assert refresh.result(60).returncode == 0
+                second = os.pread(fd, size // 2, size // 2)
+            finally:
+                os.close(fd)
+    assert first + second == new
+
+
 def test_a_handle_opened_before_a_refresh_keeps_reading_its_cached_blocks(dataset: Path, tmp_path: Path) -> None:
     """The refresh drops the cached blocks of older versions, but not of one still open: its
     handle reads them after the kernel's pages are gone (before: ESTALE, the hub has only the

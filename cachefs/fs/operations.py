@@ -8,6 +8,7 @@ pyfuse3.main() and the mount with it, so every handler goes through
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import functools
 import json
@@ -15,10 +16,11 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import pyfuse3
+import trio
 
 from ..config import Ownership
 from ..errors import DataFileChanged, HubError, OpenInAnotherVersion, RemoteFileChanged
@@ -59,6 +61,15 @@ def _guarded(handler: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _forget_attributes(ino: int) -> None:
+    """Have the kernel ask for an inode's attributes again (worker thread; nothing if it forgot the inode)."""
+    try:
+        pyfuse3.invalidate_inode(ino, attr_only=True)
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            log.warning("cannot invalidate the attributes of inode %d: %s", ino, exc)
+
+
 async def _read_only_async(*_args: Any, **_kwargs: Any) -> Any:
     raise pyfuse3.FUSEError(errno.EROFS)
 
@@ -75,11 +86,15 @@ class PageCacheVersions:
     and the first open of V after such handles are all closed drops the
     inode's pages (keep_cache off). Only inodes with another version's pages
     are remembered (bounded by what refreshes changed while it was open).
+    While a refresh loads a new generation and until the kernel has been told
+    what changed, no open keeps the page cache: a changed file's old pages
+    may still be there for an open of the new version.
     """
 
     def __init__(self) -> None:
         self._open: dict[int, collections.Counter[bytes]] = {}  # inode -> versions of its cached-read handles
         self._stale: dict[int, bytes] = {}  # inode -> version whose pages it may still hold
+        self._refreshes = 0  # refreshes between their load and the kernel's invalidation
 
     def open(self, inode: Inode) -> tuple[bool, bool]:
         """(direct_io, keep_cache) for a new handle of this inode's version."""
@@ -87,18 +102,32 @@ class PageCacheVersions:
         if versions is not None and any(version != inode.version for version in versions):
             return True, False
         self._open.setdefault(inode.ino, collections.Counter())[inode.version] += 1
-        return False, self._stale.pop(inode.ino, inode.version) == inode.version
+        same_pages = self._stale.pop(inode.ino, inode.version) == inode.version
+        return False, same_pages and not self._refreshes
 
-    def release(self, inode: Inode, current: Inode | None) -> None:
-        """A handle opened with (False, ...) closed; `current`: the namespace's inode now."""
+    @contextlib.contextmanager
+    def refreshing(self) -> Iterator[None]:
+        """Around a refresh's load and its telling the kernel what changed."""
+        self._refreshes += 1
+        try:
+            yield
+        finally:
+            self._refreshes -= 1
+
+    def release(self, inode: Inode, current: Inode | None) -> bool:
+        """A handle opened with (False, ...) closed; `current`: the namespace's inode now.
+        True if it was the last handle of a version the namespace no longer shows."""
         versions = self._open[inode.ino]
         versions[inode.version] -= 1
+        replaced = False
         if versions[inode.version] <= 0:
             del versions[inode.version]
             if current is None or current.version != inode.version:
                 self._stale[inode.ino] = inode.version
+                replaced = True
         if not versions:
             del self._open[inode.ino]
+        return replaced
 
 
 class CachefsOperations(pyfuse3.Operations):
@@ -164,6 +193,10 @@ class CachefsOperations(pyfuse3.Operations):
             # A new version is a new file to the kernel: its handles of the old one turn stale.
             attr.generation = int.from_bytes(inode.version[:4], "big")
         return attr
+
+    def refreshing(self) -> contextlib.AbstractContextManager[None]:
+        """Around a refresh's load and its telling the kernel what changed (PageCacheVersions)."""
+        return self._page_cache.refreshing()
 
     @_guarded
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
@@ -302,7 +335,10 @@ class CachefsOperations(pyfuse3.Operations):
             self._passthrough.release(handle.inode)
             if fh in self._cached_handles:
                 self._cached_handles.discard(fh)
-                self._page_cache.release(handle.inode, self._namespace.get(handle.inode.ino))
+                if self._page_cache.release(handle.inode, self._namespace.get(handle.inode.ino)):
+                    # A read of it that ended short at its old end set the kernel's size back to the
+                    # old version's: the next stat and open must ask for the current one.
+                    await trio.to_thread.run_sync(_forget_attributes, handle.inode.ino)
 
     # No `flush`: pyfuse3 answers the first FLUSH with ENOSYS and the kernel then
     # stops sending one on every close() (nothing here is ever dirty). That is a

@@ -17,6 +17,7 @@ import gzip
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -94,24 +95,28 @@ class Snapshots:
             put_meta(self._db, "hub_url", str(self._config.hub_url))
         return False
 
-    async def refresh(self, cache: BlockCache, invalidate: Invalidate, moved: Callable[[str], None]) -> dict[str, Any]:
+    async def refresh(self, cache: BlockCache, invalidate: Invalidate, moved: Callable[[str], None],
+                      telling_kernel: Callable[[], AbstractContextManager[object]]) -> dict[str, Any]:
         """Move to the hub's current generation; a no-op if it is the one shown.
 
         `moved` gets the new generation as soon as it is loaded, before the
         kernel is told: what was resolved against the old one ends there
         (plans; a plan that started arriving once the new one was shown is kept).
+        `telling_kernel` is entered from before the load until `invalidate` is done:
+        meanwhile the kernel may still hold what changed.
         """
         async with self._lock:
             old = self._namespace.summary()
             generation = await self._download(old.generation if old else None)
             if generation is None:
                 return {"generation": old.generation if old else None, "changed": False}
-            summary, changes = await self._load()
-            try:
-                moved(summary.generation)
-                await invalidate(changes)
-            finally:
-                changes.discard()
+            with telling_kernel():
+                summary, changes = await self._load()
+                try:
+                    moved(summary.generation)
+                    await invalidate(changes)
+                finally:
+                    changes.discard()
             dropped = await self._drop_stale(cache, summary.generation)
             log.info("moved from generation %s to %s: %d entries changed, %d removed, %d cached blocks dropped",
                      old.generation if old else None, summary.generation, len(changes.changed), len(changes.removed), dropped)
