@@ -73,7 +73,8 @@ def test_a_broken_manifest_leaves_the_namespace_as_it_was(db: NamespaceDb, tmp_p
         load_manifest(db, write_manifest(tmp_path / "2.gz", "g2", broken))
     with pytest.raises(HubProtocolError, match="duplicated"):
         load_manifest(db, write_manifest(tmp_path / "3.gz", "g3", [dir_entry(""), dir_entry("a"), dir_entry("a")]))
-    for field, value in (("s", -1), ("s", 1 << 64), ("t", 1 << 63)):  # before: struct.error, past every handler
+    for field, value in (("s", -1), ("s", 1 << 64), ("t", 1 << 63),  # before: struct.error, past every handler
+                         ("s", float("inf")), ("t", float("-inf")), ("m", float("inf"))):  # Infinity: OverflowError
         entry = {**file_entry("x.bin", 1), field: value}
         with pytest.raises(HubProtocolError, match="malformed manifest entry"):
             load_manifest(db, write_manifest(tmp_path / "4.gz", "g4", [dir_entry(""), entry]))

@@ -359,7 +359,7 @@ def _write_entries(txn: lmdb.Transaction, db: NamespaceDb, lines: Iterator[dict[
     for entry in lines:
         try:
             path, inode = entry["p"], _entry_to_inode(entry)
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(Infinity)
             raise HubProtocolError(f"malformed manifest entry {str(entry)[:120]}: {exc!r}") from None
         if entries == 0 and (path != "" or not inode.is_dir):
             raise HubProtocolError("manifest does not start with the root directory")
