@@ -245,35 +245,41 @@ class BlockCache:
                     return 0
                 if self._share is not None and admitted:  # claimed before written: the tenants never overshoot together
                     self._share.claim(self.index.used_bytes(), self.pinned_bytes(), sum(len(data) for _key, data in admitted))
-            written = []
-            verified: list[BlockKey] = []
-            for key, data in admitted:
-                buffered = self.store.buffered(len(data))  # before the write, which may turn O_DIRECT off
-                try:
-                    self.store.write(key, data)
-                except SealedDataFile as exc:  # its verified bytes are on disk already
-                    log.warning("not writing %s: %s", key, exc)
-                    continue
-                except OSError as exc:
-                    self._note_store_failure(exc)
-                    continue
-                written.append((key, len(data), chunk_sums(data)))
-                if self._verify_small_files and key.blockno == 0 and len(data) < self.store.block_size and buffered:
-                    verified.append(key)
-            if not written:
-                return 0
             try:
-                self.index.add(written, set(verified), boot_id(), time.time())
-            except lmdb.Error as exc:
-                for key, _length, _sums in written:
-                    self.store.delete(key)
+                return self._write_admitted(admitted)
+            finally:
+                if self._share is not None:  # written or not: a failed write must not keep others' room claimed
+                    self._share.note_used(self.index.used_bytes(), self.pinned_bytes())
+
+    def _write_admitted(self, admitted: list[tuple[BlockKey, BlockData]]) -> int:
+        """Write admitted blocks and commit their entries (the cache lock held); how many were cached."""
+        written = []
+        verified: list[BlockKey] = []
+        for key, data in admitted:
+            buffered = self.store.buffered(len(data))  # before the write, which may turn O_DIRECT off
+            try:
+                self.store.write(key, data)
+            except SealedDataFile as exc:  # its verified bytes are on disk already
+                log.warning("not writing %s: %s", key, exc)
+                continue
+            except OSError as exc:
                 self._note_store_failure(exc)
-                return 0
-            # after the commit, as verify_files does: a crash leaves it unsealed
-            self._seal_verified([(key.file_id, key.version) for key in verified])
-            self._stats.verified_files += len(verified)
-            if self._share is not None:
-                self._share.note_used(self.index.used_bytes(), self.pinned_bytes())
+                continue
+            written.append((key, len(data), chunk_sums(data)))
+            if self._verify_small_files and key.blockno == 0 and len(data) < self.store.block_size and buffered:
+                verified.append(key)
+        if not written:
+            return 0
+        try:
+            self.index.add(written, set(verified), boot_id(), time.time())
+        except lmdb.Error as exc:
+            for key, _length, _sums in written:
+                self.store.delete(key)
+            self._note_store_failure(exc)
+            return 0
+        # after the commit, as verify_files does: a crash leaves it unsealed
+        self._seal_verified([(key.file_id, key.version) for key in verified])
+        self._stats.verified_files += len(verified)
         return len(written)
 
     def _admit(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import os
 from collections.abc import Iterator
@@ -109,6 +110,22 @@ def test_a_tenant_never_grows_into_bytes_another_holds(tmp_path: Path) -> None:
         assert first.used_bytes() + second.used_bytes() == 8 * BLOCK
         assert {r.name: r.used_bytes for r in Ledger(tmp_path).records()} == {"default": 6 * BLOCK, "second": 2 * BLOCK}
         assert share.snapshot(second.used_bytes(), 0)["tenants"][0]["live"]
+
+
+def test_a_write_that_fails_leaves_no_claim_on_the_others_room(tmp_path: Path) -> None:
+    """Room is claimed before a batch is written; a batch that cannot be written (a full disk)
+    must give it back, not keep publishing it until a later write succeeds."""
+    def full_disk(_key: BlockKey, _data: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with tenant_cache(tmp_path, "a") as (a, share):
+        a.store.write = full_disk  # type: ignore[method-assign]
+        assert fill(a, 1, 4) == 0
+        published = Ledger.read(tenant_dir(tmp_path, "a"))  # what others' limits read
+        assert published is not None and published.used_bytes == 0
+        share.refresh(a.used_bytes, 0, a.pressure)
+        published = Ledger.read(tenant_dir(tmp_path, "a"))
+        assert published is not None and published.used_bytes == a.used_bytes() == 0
 
 
 def test_a_tenant_above_its_allowance_trims_its_own_blocks_and_the_other_grows(tmp_path: Path) -> None:
