@@ -310,7 +310,8 @@ class PlanSampler(_SamplerBase):
     `first_epoch`.
 
     By default the plan streams in a background thread while the epoch
-    already runs (the daemon follows it from its first lines), and a
+    already runs (the daemon prefetches along it from its first lines, and
+    follows the readers along it once it has all of it), and a
     failure to hand it over is logged once; training goes on unplanned.
     With `strict`, the first index is yielded only once the daemon has the
     whole plan, and failures raise PlanError. When the mount's block size is

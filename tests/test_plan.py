@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import random
+import socket
 import subprocess
 import time
 import tracemalloc
@@ -137,6 +139,34 @@ def test_plans_for_missing_files_are_rejected(spoke: SpokeMount, tmp_path: Path)
     assert stats["plan_prefetch_blocks"] <= 1
     assert [record["epoch"] for record in stats["training"]["epochs"]] == [1, 2]
     assert (mountpoint / "with space.txt").read_text() == "a name with a space\n"
+
+
+def test_a_plan_of_huge_lines_never_stops_the_daemon_serving_and_a_table_too_long_is_refused(spoke: SpokeMount) -> None:
+    """A plan line costs the daemon work per block it names, whatever its bytes: a line of
+    300,000 reads of a whole shard (a few MB) must not stop the daemon answering for
+    seconds; and a file table longer than the snapshot's entries (one path repeated) is refused."""
+    shard = spoke.mountpoint / "shards/shard-000.bin"
+    blocks = -(-shard.stat().st_size // TEST_BLOCK_SIZE)
+
+    def plan_connection() -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.settimeout(60)
+        sock.connect(str(spoke.cache_dir / "control.sock"))
+        return sock
+
+    with plan_connection() as sock:
+        sock.sendall(b'{"command": "plan"}\n{"files": ["shards/shard-000.bin"]}\n')
+        sock.sendall(b'{"reads": [' + b",".join([b"[0,0,null]"] * 300_000) + b"]}\n")
+        longest, deadline = 0.0, time.monotonic() + 3
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            os.getxattr(spoke.mountpoint, "user.cachefs.stats")  # answered by the event loop
+            longest = max(longest, time.monotonic() - started)
+        assert blocks > 1 and longest < 0.5, longest  # the whole line is 300,000 x blocks uses: seconds of work
+    with plan_connection() as sock:
+        sock.sendall(b'{"command": "plan"}\n{"files": [' + b",".join([b'"shards/shard-000.bin"'] * 100_000) + b"]}\n")
+        answer = json.loads(sock.makefile("rb").readline())
+    assert answer["ok"] is False and "file table is longer than the snapshot" in answer["error"], answer
 
 
 def test_cancelling_a_plan_stops_its_prefetch(hub, dataset: Path, tmp_path: Path) -> None:

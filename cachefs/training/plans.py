@@ -94,9 +94,10 @@ class Plan:
         self.files.seal()
         self.complete = True
 
-    def add_read(self, file_index: int, offset: int, length: int) -> None:
-        """One planned read (already validated): an entry per block, consecutive repeats merged."""
-        self.reads += 1
+    def add_read(self, file_index: int, offset: int, length: int, *, counted: bool = True) -> None:
+        """One planned read (already validated): an entry per block, consecutive repeats merged
+        (`counted`: False for the later pieces of a read added in several)."""
+        self.reads += counted
         self.read_bytes += length
         first, last = offset // self.block_size, (offset + length - 1) // self.block_size
         for blockno in range(first, last + 1):

@@ -16,6 +16,11 @@ from .plans import Plan
 
 # Plan lines carry up to a few thousand reads; a line that long is no plan.
 MAX_LINE_BYTES = 8 << 20
+# Block uses one plan may hold: 8 bytes each in the cache dir's plans/ beyond the first
+# 512 K, so at most 1 GiB there (a shuffled epoch of 16 KiB samples over 2 TiB of data).
+MAX_PLAN_USES = 1 << 27
+# Block uses added between two looks at the event loop's other work: about a millisecond.
+USES_PER_CHECKPOINT = 4096
 # While a plan is being sent, the longest pause between two of its lines.
 LINE_TIMEOUT_S = 120.0
 
@@ -24,6 +29,8 @@ async def receive_plan(plan: Plan, lines: Lines, namespace: Namespace, arrived: 
     """Read the plan's lines up to its end marker, calling `arrived` after each; False if the client
     closed the connection first. Raises CachefsError (the plan is rejected) on a bad line."""
     directories: dict[str, Inode | None] = {}
+    summary = namespace.summary()
+    max_files = summary.entries if summary is not None else 0  # a table longer lists some file twice
     while True:
         try:
             with trio.fail_after(LINE_TIMEOUT_S):
@@ -33,8 +40,7 @@ async def receive_plan(plan: Plan, lines: Lines, namespace: Namespace, arrived: 
         if line is None:
             return False
         if plan.cancelled:  # cancel_all while it was being sent: its entry store is closed
-            raise CachefsError("plan cancelled while it was being sent: the mount moved to a new snapshot; "
-                               "send it again")
+            raise CachefsError("plan cancelled while it was being sent: the mount moved to a new snapshot; send it again")
         try:
             message = json.loads(line)
         except ValueError:
@@ -44,16 +50,23 @@ async def receive_plan(plan: Plan, lines: Lines, namespace: Namespace, arrived: 
         if message.get("end"):
             return True
         if "files" in message:
-            _add_files(plan, namespace, message["files"], directories)
+            await _add_files(plan, namespace, message["files"], directories, max_files)
         if "reads" in message:
-            _add_reads(plan, message["reads"])
+            await _add_reads(plan, message["reads"])
         arrived()
         await trio.lowlevel.checkpoint()
 
-def _add_files(plan: Plan, namespace: Namespace, paths: Any, directories: dict[str, Inode | None]) -> None:
+
+async def _add_files(plan: Plan, namespace: Namespace, paths: Any, directories: dict[str, Inode | None],
+                     max_files: int) -> None:
     if not isinstance(paths, list) or not all(isinstance(path, str) for path in paths):
         raise CachefsError("malformed plan line: files must be a list of paths")
-    for path in paths:
+    if len(plan.files) + len(paths) > max_files:
+        raise CachefsError(f"plan rejected: its file table is longer than the snapshot's {max_files} entries; "
+                           "list each file once")
+    for number, path in enumerate(paths, 1):
+        if number % USES_PER_CHECKPOINT == 0:
+            await _checkpoint(plan)
         parent_path, _slash, name = path.strip("/").rpartition("/")
         if parent_path not in directories:  # a dataset of many files has few directories
             directories[parent_path] = namespace.resolve(parent_path)
@@ -68,11 +81,14 @@ def _add_files(plan: Plan, namespace: Namespace, paths: Any, directories: dict[s
         plan.add_file(inode)
 
 
-def _add_reads(plan: Plan, reads: Any) -> None:
-    """Validate and add reads [file index, offset, length or null]."""
+async def _add_reads(plan: Plan, reads: Any) -> None:
+    """Validate and add reads [file index, offset, length or null], letting the event loop
+    serve other work between every USES_PER_CHECKPOINT block uses added."""
     if not isinstance(reads, list):
         raise CachefsError("malformed plan line: reads must be a list")
     sizes = plan.files.sizes
+    checkpoint_at = plan.store.length + USES_PER_CHECKPOINT
+    piece_bytes = USES_PER_CHECKPOINT * plan.block_size  # a read of a whole large file is many pieces
     for read in reads:
         if not isinstance(read, list) or len(read) != 3:
             raise CachefsError("malformed plan read: expected [file, offset, length]")
@@ -87,11 +103,29 @@ def _add_reads(plan: Plan, reads: Any) -> None:
         elif not isinstance(length, int) or length < 0:
             raise CachefsError(f"malformed plan read: bad length {length!r}")
         length = min(length, size - offset)
-        if length > 0:
-            plan.add_read(index, offset, length)
-        elif offset > size:
-            raise CachefsError(f"plan rejected: offset {offset} is beyond the end of a {size}-byte file "
-                               f"(file {index} of the plan)")
+        if length <= 0:
+            if offset > size:
+                raise CachefsError(f"plan rejected: offset {offset} is beyond the end of a {size}-byte file "
+                                   f"(file {index} of the plan)")
+            continue
+        start, end = offset, offset + length
+        while start < end:
+            stop = min(end, (start // piece_bytes + 1) * piece_bytes)
+            plan.add_read(index, start, stop - start, counted=start == offset)
+            start = stop
+            if plan.store.length >= checkpoint_at:
+                if plan.store.length > MAX_PLAN_USES:
+                    raise CachefsError(f"plan rejected: more than {MAX_PLAN_USES} block uses; "
+                                       "send one epoch's plan at a time")
+                await _checkpoint(plan)
+                checkpoint_at = plan.store.length + USES_PER_CHECKPOINT
+
+
+async def _checkpoint(plan: Plan) -> None:
+    """Let the event loop run other work; the plan may have been cancelled meanwhile."""
+    await trio.lowlevel.checkpoint()
+    if plan.cancelled:  # cancel_all while it was being sent: its entry store is closed
+        raise CachefsError("plan cancelled while it was being sent: the mount moved to a new snapshot; send it again")
 
 
 async def cancel_when_closed(lines: Lines, scope: trio.CancelScope) -> None:
