@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Container, Generator, Iterable, Iterator, Sequence
 
 from ..db import IndexDb
 from .keys import BlockKey
@@ -154,6 +154,13 @@ class BlockIndex:
                 if len(keys) >= limit:
                     break
         return keys
+
+    def iter_oldest(self) -> Generator[BlockKey, None, None]:
+        """Every key in insertion order, oldest first, read as the caller goes (one read
+        transaction for the walk: close the iterator when done)."""
+        with self._db.env.begin(db=self._db.fifo) as txn:
+            for _seq, packed in txn.cursor():
+                yield BlockKey.unpack(packed)
 
     def file_blocks(self, file_id: bytes) -> list[tuple[BlockKey, int]]:
         """Every cached block of a file (all versions), with its length."""

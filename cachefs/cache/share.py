@@ -44,7 +44,6 @@ USE_WINDOW_S = 10.0
 GROWTH_BLOCKS = 64
 # Bytes of an unmounted tenant reclaimed per refresh, so its lock is held briefly.
 RECLAIM_BATCH_BYTES = 256 << 20
-VICTIM_SLACK = 1024  # oldest entries looked at beyond the goal's, for pinned or missing ones
 
 
 class TenantShare:
@@ -218,14 +217,18 @@ def reclaim(directory: Path, name: str, keep_bytes: int | None, pool_bytes: int)
                 store = BlockStore(directory, block_size) if block_size else None
                 goal = min(index.used_bytes() - keep_bytes, RECLAIM_BATCH_BYTES)
                 victims: list[BlockKey] = []
-                for key in index.oldest(goal // max(1, block_size) + len(pinned) * 64 + VICTIM_SLACK):
-                    if freed >= goal:
-                        break
-                    entry = index.get(key)
-                    if key.file_id in pinned or entry is None:
-                        continue
-                    victims.append(key)
-                    freed += entry.length
+                oldest = index.iter_oldest()  # past however many pinned blocks come first
+                try:
+                    for key in oldest:
+                        if freed >= goal:
+                            break
+                        entry = index.get(key)
+                        if key.file_id in pinned or entry is None:
+                            continue
+                        victims.append(key)
+                        freed += entry.length
+                finally:
+                    oldest.close()
                 index.remove_many(victims)
                 for key in victims:
                     if store is not None:

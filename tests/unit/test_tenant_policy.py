@@ -17,7 +17,7 @@ from spoke_parts import BLOCK, VERSION
 from cachefs.cache import BlockCache, BlockKey
 from cachefs.cache.share import TenantShare
 from cachefs.cache.tenants import DEFAULT_TENANT, Ledger, TenantRecord, allowances, tenant_dir
-from cachefs.db import open_index_db
+from cachefs.db import open_index_db, put_meta
 from cachefs.errors import CachefsError
 from cachefs.metrics import Stats
 
@@ -180,3 +180,27 @@ def test_an_unmounted_tenant_s_oldest_blocks_are_reclaimed_when_a_mounted_one_ne
     assert record is not None and record.used_bytes == 0 and record.pid == 0
     with tenant_cache(tmp_path, "gone") as (gone, _):
         assert gone.used_bytes() == 0 and not gone.contains(oldest)
+
+
+def test_an_unmounted_tenant_s_blocks_behind_a_large_pinned_file_are_reclaimed_too(tmp_path: Path) -> None:
+    """Reclaim walks the unmounted tenant's blocks oldest first past its pinned ones, however
+    many: a large pinned file among its oldest blocks used to hide every block after it."""
+    pool = 2000
+    with tenant_cache(tmp_path, "gone", pool_blocks=pool) as (gone, share):
+        put_meta(gone._db, "block_size", str(BLOCK))  # as the daemon records it
+        gone.pin({(1).to_bytes(8, "big"): 1400 * BLOCK})
+        assert fill_in_batches(gone, 1, 1400) == 1400  # pinned, the oldest
+        assert fill_in_batches(gone, 2, 600) == 600  # unpinned, newer
+        share.refresh(gone.used_bytes, gone.pinned_bytes(), gone.pressure)
+    # Its daemon is gone; a mounted tenant with a 300-block minimum (1,400 pinned + 300 fits) needs it.
+    with tenant_cache(tmp_path, "busy", min_bytes=300 * BLOCK, pool_blocks=pool) as (busy, busy_share):
+        busy_share.refresh(busy.used_bytes, 0, busy.pressure)
+        assert fill_in_batches(busy, 3, 300) == 300
+    record = Ledger.read(tenant_dir(tmp_path, "gone"))
+    assert record is not None and record.used_bytes <= (pool - 300) * BLOCK and record.pinned_bytes == 1400 * BLOCK
+
+
+def fill_in_batches(cache: BlockCache, file_number: int, blocks: int) -> int:
+    file_id = file_number.to_bytes(8, "big")
+    return sum(cache.insert_many([(BlockKey(file_id, VERSION, n), os.urandom(BLOCK), False)
+                                  for n in range(start, min(blocks, start + 100))]) for start in range(0, blocks, 100))
