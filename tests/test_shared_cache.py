@@ -200,7 +200,8 @@ def test_a_second_mount_of_a_tenant_is_refused_in_one_line(tmp_path: Path) -> No
                                  "--cache-size", str(POOL), "--tenant", "third", "--cache-min", "6M")
             assert result.returncode != 0
             assert result.stderr.strip() == (f"cachefs: error: --cache-min 6.0 MiB does not fit: the other tenants of "
-                                             f"{cache_dir} are guaranteed 3.0 MiB of its 8.0 MiB"), result.stderr
+                                             f"{cache_dir} are guaranteed 3.0 MiB of its 8.0 MiB (mounted ones' "
+                                             f"minimums, and pins)"), result.stderr
 
 
 def test_a_cache_dir_of_one_mount_made_before_tenants_keeps_its_blocks_and_counts_for_new_tenants(tmp_path: Path) -> None:

@@ -618,7 +618,7 @@ class BlockCache:
                 raise CachefsError(
                     f"cannot pin {wanted} more bytes: {self.pinned_bytes()} already pinned "
                     + (f"of a {self.capacity_bytes}-byte cache" if self._share is None
-                       else f"of the {limit} bytes the other tenants' minimums leave this one")
+                       else f"of the {limit} bytes the other tenants' minimums and pins leave this one")
                 )
             with self._db.env.begin(db=self._db.pins, write=True) as txn:
                 for file_id, size in files.items():

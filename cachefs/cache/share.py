@@ -90,11 +90,11 @@ class TenantShare:
             if other.pool_bytes != self.pool_bytes:
                 raise UsageError(f"cache dir {self._ledger.cache_dir} is shared with tenant {other.name!r}, mounted with "
                                  f"--cache-size {format_size(other.pool_bytes)}: mount with the same --cache-size")
-        guaranteed = sum(min(r.max_bytes, max(r.min_bytes, r.pinned_bytes)) for r in others)
+        guaranteed = self._others_guaranteed()
         if guaranteed + self.min_bytes > self.pool_bytes:
             raise UsageError(f"--cache-min {format_size(self.min_bytes)} does not fit: the other tenants of "
                              f"{self._ledger.cache_dir} are guaranteed {format_size(guaranteed)} of its "
-                             f"{format_size(self.pool_bytes)}")
+                             f"{format_size(self.pool_bytes)} (mounted ones' minimums, and pins)")
         last = self._ledger.read(self._directory)  # what it held when it last ran, until its first refresh
         self._publish(self._make_record(last.used_bytes if last else 0, last.pinned_bytes if last else 0, 0))
 
@@ -115,9 +115,14 @@ class TenantShare:
         return min(self.allowance, max(used_bytes, self.pool_bytes - others))
 
     def pin_limit(self) -> int:
-        """The most this tenant may pin: what the others' minimums leave."""
-        others = sum(r.min_bytes for r in self._ledger.records() if r.live and r.name != self.name)
-        return min(self.max_bytes, self.pool_bytes - others)
+        """The most this tenant may pin: what the others' minimums and pins leave."""
+        return min(self.max_bytes, self.pool_bytes - self._others_guaranteed())
+
+    def _others_guaranteed(self) -> int:
+        """What the other tenants keep whatever this one does: a mounted one its minimum (or its
+        pins, if more; up to its maximum), an unmounted one its pins (reclaim never takes them)."""
+        return sum(min(r.max_bytes, max(r.min_bytes, r.pinned_bytes)) if r.live else r.pinned_bytes
+                   for r in self._ledger.records() if r.name != self.name)
 
     def claim(self, used_bytes: int, pinned_bytes: int, claimed_bytes: int) -> None:
         """Publish the bytes held plus those about to be written (under `admitting`); `note_used` follows."""

@@ -146,9 +146,24 @@ def test_a_tenant_above_its_allowance_trims_its_own_blocks_and_the_other_grows(t
 
 def test_pins_of_one_tenant_cannot_take_another_s_minimum(tmp_path: Path) -> None:
     with tenant_cache(tmp_path, "guarded", min_bytes=5 * BLOCK), tenant_cache(tmp_path, "pinner") as (pinner, _):
-        with pytest.raises(CachefsError, match="the other tenants' minimums leave this one"):
+        with pytest.raises(CachefsError, match="the other tenants' minimums and pins leave this one"):
             pinner.pin({b"f" * 8: 4 * BLOCK})
         pinner.pin({b"f" * 8: 3 * BLOCK})
+
+
+def test_an_unmounted_tenant_s_pins_count_against_minimums_and_pins_of_others(tmp_path: Path) -> None:
+    """Reclaim never takes an unmounted tenant's pinned blocks: a minimum that does not fit
+    beside them is refused at mount, and so are pins beyond what they leave."""
+    with tenant_cache(tmp_path, "gone") as (gone, share):
+        gone.pin({b"p" * 8: 6 * BLOCK})
+        share.refresh(gone.used_bytes, gone.pinned_bytes(), gone.pressure)
+    with pytest.raises(CachefsError, match="are guaranteed 384.0 KiB of its 512.0 KiB"), \
+            tenant_cache(tmp_path, "busy", min_bytes=4 * BLOCK):
+        pass
+    with tenant_cache(tmp_path, "busy", min_bytes=2 * BLOCK) as (busy, _):
+        with pytest.raises(CachefsError, match="the other tenants' minimums and pins leave this one"):
+            busy.pin({b"q" * 8: 3 * BLOCK})
+        busy.pin({b"q" * 8: 2 * BLOCK})
 
 
 def test_a_record_survives_a_round_trip_and_a_torn_one_is_not_taken(tmp_path: Path) -> None:
