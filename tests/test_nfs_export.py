@@ -248,11 +248,14 @@ def test_export_refuses_what_it_cannot_serve_with_one_line(spoke: SpokeMount, tm
     for args, message in cases:
         result = run_cachefs("export", *args)
         assert result.returncode == 1 and message in result.stderr and result.stderr.count("\n") == 1, result.stderr
-    with mounted_spoke(spoke_url(spoke), tmp_path, NFS_SPOKE_ARGS, name="exported") as exported:
+    with mounted_spoke(spoke_url(spoke), tmp_path, NFS_SPOKE_ARGS, name="exported mount") as exported:  # a space too
         result = run_cachefs("export", exported.mountpoint, "--clients", "10.0.0.0/8,node-7")
         assert result.returncode == 1 and "invalid client 'node-7'" in result.stderr, result.stderr
-        result = run_cachefs("export", exported.mountpoint, "--clients", "*", "--bind", "0.0.0.0; }")
-        assert result.returncode == 1 and "invalid --bind" in result.stderr, result.stderr
+        result = run_cachefs("export", exported.mountpoint, "--clients", "10.0.0.0/255.0.0.0")  # Ganesha drops netmasks
+        assert result.returncode == 1 and "invalid client '10.0.0.0/255.0.0.0'" in result.stderr, result.stderr
+        for bind in ("0.0.0.0; }", "::1"):  # Ganesha 4.3 exits on an IPv6 Bind_Addr
+            result = run_cachefs("export", exported.mountpoint, "--clients", "*", "--bind", bind)
+            assert result.returncode == 1 and "invalid --bind" in result.stderr, result.stderr
         result = run_cachefs("export", exported.mountpoint, "--clients", "10.0.0.0/8", "--pseudo", "/data")
         assert result.returncode == 0, result.stderr
         assert f'Path = "{exported.mountpoint}";' in result.stdout and 'Pseudo = "/data";' in result.stdout

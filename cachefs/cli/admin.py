@@ -351,9 +351,10 @@ def _export(args: argparse.Namespace) -> int:
             raise UsageError(f"invalid {option} {port}: 1 to 65535")
     if args.bind is not None:
         try:
-            ipaddress.ip_address(args.bind)
+            if ipaddress.ip_address(args.bind).version != 4:  # Ganesha 4.3 does not take an IPv6 Bind_Addr
+                raise ValueError(args.bind)
         except ValueError:
-            raise UsageError(f"invalid --bind {args.bind!r}: an IP address") from None
+            raise UsageError(f"invalid --bind {args.bind!r}: an IPv4 address") from None
     if not 0 <= args.grace_period <= 3600 or not 0 < args.export_id < 65536:
         raise UsageError("--grace-period is 0 to 3600 seconds, --export-id 1 to 65535")
     config = ExportConfig(

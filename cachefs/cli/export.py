@@ -54,22 +54,11 @@ def check_exportable(mountpoint: Path) -> None:
         raise UsageError(f"{mountpoint} is not mounted")
     if mount.fstype != FSTYPE:
         raise UsageError(f"{mountpoint} is not a cachefs mount ({mount.fstype})")
-    if "allow_other" not in _super_options(mountpoint) and os.geteuid() == 0:
+    if "allow_other" not in mount.super_options and os.geteuid() == 0:
         raise UsageError(
             f"{mountpoint} was mounted without --allow-other: the NFS server reads as each client's "
             "user and would be refused; remount with --allow-other"
         )
-
-
-def _super_options(mountpoint: Path) -> list[str]:
-    target = os.path.abspath(mountpoint)
-    options: list[str] = []
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as table:
-        for line in table:
-            fields = line.split()
-            if fields[4] == target:
-                options = fields[-1].split(",")
-    return options
 
 
 def parse_clients(text: str) -> tuple[str, ...]:
@@ -80,10 +69,14 @@ def parse_clients(text: str) -> tuple[str, ...]:
     for client in clients:
         if client == "*":
             continue
+        _address, slash, prefix = client.partition("/")
         try:
             ipaddress.ip_network(client, strict=False)
+            if slash and not prefix.isdigit():  # a netmask (10.0.0.0/255.0.0.0): Ganesha drops the entry
+                raise ValueError(client)
         except ValueError:
-            raise UsageError(f"invalid client {client!r} in --clients: an IP address, a CIDR network or '*'") from None
+            raise UsageError(f"invalid client {client!r} in --clients: an IP address, a CIDR network "
+                             "(10.0.0.0/8) or '*'") from None
     return clients
 
 

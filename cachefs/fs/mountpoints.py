@@ -30,6 +30,7 @@ class MountInfo:
     mountpoint: str
     device: str  # "major:minor"
     fstype: str
+    super_options: tuple[str, ...] = ()  # the file system's own (for FUSE: allow_other, ...)
 
 
 def _unescape(field: str) -> str:
@@ -43,7 +44,8 @@ def list_mounts() -> list[MountInfo]:
         for line in table:
             fields = line.split()
             separator = fields.index("-")
-            mounts.append(MountInfo(_unescape(fields[4]), fields[2], fields[separator + 1]))
+            mounts.append(MountInfo(_unescape(fields[4]), fields[2], fields[separator + 1],
+                                    tuple(fields[-1].split(","))))
     return mounts
 
 
