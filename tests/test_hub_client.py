@@ -271,6 +271,24 @@ async def test_a_hub_silent_in_the_middle_of_a_block_is_given_up_after_the_read_
 
 
 @pytest.mark.trio
+async def test_a_hub_that_stops_answering_costs_one_read_timeout_not_one_per_idle_connection(scripted_hub) -> None:
+    """A frozen hub (or tier node) with idle keep-alive connections: the first one that stays
+    silent ends the attempt (a tier client then fails over), not a timeout for each of them."""
+    url = scripted_hub([(range_head(BLOCK), sender(BLOCK)) for _ in range(6)])  # then silence on every connection
+    client = HubClient(parse_hub_url(url), max_connections=6, connect_timeout_s=5, read_timeout_s=0.5)
+    try:
+        async with trio.open_nursery() as nursery:  # six connections, idle once answered
+            for _ in range(6):
+                nursery.start_soon(client.get_range, "f", "v", 0, [len(BLOCK)])
+        started = trio.current_time()
+        with pytest.raises(HubUnavailable, match="hub sent nothing for 0.5 s"):
+            await client.get_range("f", "v", 0, [len(BLOCK)])
+        assert trio.current_time() - started < 1.5  # before: 0.5 s for each of the six, then a seventh
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.trio
 async def test_a_short_answer_after_a_block_on_the_same_connection_comes_at_once(scripted_hub) -> None:
     """After a body the socket wakes for any byte again: an answer shorter than the last piece
     (a 412 head) is read as it comes, not after the read timeout."""

@@ -62,15 +62,17 @@ def dead_url() -> str:
     return f"http://127.0.0.1:{free_port()}"
 
 
-@pytest.fixture
-async def gateway_error_url(nursery: trio.Nursery) -> AsyncIterator[str]:
-    """A node that answers every request 502, as nginx does when it cannot reach the hub."""
+@pytest.fixture(params=[502, 500])
+async def gateway_error_url(nursery: trio.Nursery, request: pytest.FixtureRequest) -> AsyncIterator[str]:
+    """A node that answers every request 502, as nginx does when it cannot reach the hub, or
+    500, as it does when it cannot read its cache file of the slice."""
+    status = b"502 Bad Gateway" if request.param == 502 else b"500 Internal Server Error"
 
     async def answer(stream: trio.SocketStream) -> None:
         async with stream:
             if await read_request_head(stream) is None:
                 return
-            await stream.send_all(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            await stream.send_all(b"HTTP/1.1 " + status + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
 
     listeners = await nursery.start(functools.partial(trio.serve_tcp, answer, 0, host="127.0.0.1"))
     yield f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
@@ -129,7 +131,7 @@ async def test_without_a_live_node_the_hub_answers_and_its_refusals_are_not_fail
         sums = await client.get_checksums(file_id, version, MiB, 0, 4)
         assert len(sums) == 4
         assert stats.tier_requests == Counter({"0": 0, "1": 0, HUB: 2})
-        assert stats.tier_failovers["1"] == 2  # a 502 fails over, but the node is asked again next time
+        assert stats.tier_failovers["1"] == 2  # a 502 (or 500) fails over, but the node is asked again next time
         # 412 (another version) is the hub's answer, the same from any node: raised, not failed over.
         with pytest.raises(RemoteFileChanged):
             await client.get_range(file_id, "0123456789abcdef", 0, [MiB])

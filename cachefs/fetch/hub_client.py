@@ -76,7 +76,7 @@ class _Connection:
             with trio.move_on_after(read_timeout_s) as scope:
                 chunk = await self.stream.receive_some(receive_bytes)
             if scope.cancelled_caught:
-                raise HubUnavailable(f"hub sent nothing for {read_timeout_s:g} s")
+                raise HubSilent(f"hub sent nothing for {read_timeout_s:g} s")
             self.h11.receive_data(bytes(chunk))  # h11 takes bytes; bytes() of the bytes trio returns is no copy
 
     async def read_body_into(
@@ -454,9 +454,10 @@ class HubClient:
                 self.answers += 1
             except Exception as exc:
                 await conn.aclose()
-                if reused and isinstance(_translate(exc, self.url), (HubUnavailable, HubProtocolError)):
+                translated = _translate(exc, self.url)
+                if reused and isinstance(translated, (HubUnavailable, HubProtocolError)) and not isinstance(exc, HubSilent):
                     continue  # the hub closed an idle keep-alive connection: use a new one
-                raise _translate(exc, self.url) from None
+                raise translated from None  # a silent one is a hub (or tier node) that stopped answering
             except BaseException:
                 await conn.aclose()
                 raise
@@ -532,6 +533,12 @@ class _RequestContext:
                     await conn.aclose()
         finally:
             self._client._slots.release()
+
+
+class HubSilent(HubUnavailable):
+    """The hub sent nothing within the read timeout: not a keep-alive connection it closed, which
+    fails at once, but a hub (or tier node) that stopped answering; its other idle connections
+    would each cost a timeout too."""
 
 
 def _translate(exc: BaseException, url: HubURL) -> BaseException:

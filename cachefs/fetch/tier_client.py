@@ -35,10 +35,11 @@ T = TypeVar("T")
 # a dead node costs one connect timeout per spoke and not one per slice, short
 # enough that a restarted node gets its slices back within seconds.
 NODE_DOWN_S = 10.0
-# Gateway errors of nginx itself: the node could not reach the hub in time.
-# Other statuses come from the hub (nginx passes them through) and would be
-# the same from any node.
-FAILOVER_STATUSES = (502, 504)
+# Errors of nginx itself: the node could not reach the hub in time (502, 504), or
+# cannot read its own cache file of the slice (500, on every later request for it
+# until the entry is purged). Other statuses come from the hub (nginx passes them
+# through) and would be the same from any node.
+FAILOVER_STATUSES = (500, 502, 504)
 HUB = "hub"  # the `node` label of requests that went to the hub itself
 
 
