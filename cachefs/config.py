@@ -84,6 +84,15 @@ def parse_hub_url(text: str) -> HubURL:
     return HubURL(host=parts.hostname, port=port or (443 if tls else 80), prefix=parts.path.rstrip("/"), tls=tls)
 
 
+def checked_token(token: str, source: str) -> str:
+    """A bearer token as sent in a header: surrounding whitespace (a file's or a secret's
+    last newline) dropped; anything but visible ASCII inside refused, never echoed."""
+    token = token.strip()
+    if not token or not all("!" <= char <= "~" for char in token):
+        raise UsageError(f"the token in {source} is empty or holds characters an HTTP header cannot carry")
+    return token
+
+
 def read_token(path: Path) -> str:
     """The bearer token in a file: its first non-empty, non-comment line."""
     try:
@@ -96,7 +105,8 @@ def read_token(path: Path) -> str:
     for line in text.splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
-            return line.split(":", 1)[1] if ":" in line and " " not in line.split(":", 1)[0] else line
+            token = line.split(":", 1)[1] if ":" in line and " " not in line.split(":", 1)[0] else line
+            return checked_token(token, f"token file {path}")
     raise UsageError(f"token file {path} holds no token")
 
 

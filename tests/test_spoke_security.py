@@ -60,10 +60,18 @@ def test_token_is_required_and_never_shown(dataset: Path, tmp_path: Path) -> Non
         (tmp_path / "env").mkdir()
         env_mount = subprocess.run(
             cachefs_command("mount", hub.url, tmp_path / "env", "--cache-dir", tmp_path / "c2", *SPOKE_ARGS),
-            env={**hub_env(), "CACHEFS_HUB_TOKEN": TOKEN}, capture_output=True, text=True, timeout=60,
-        )
+            env={**hub_env(), "CACHEFS_HUB_TOKEN": TOKEN + "\n"}, capture_output=True, text=True, timeout=60,
+        )  # a secret given as a variable often ends in a newline
         assert env_mount.returncode == 0, env_mount.stderr
         SpokeMount(tmp_path / "env", tmp_path / "c2", None).unmount()
+        assert TOKEN not in (tmp_path / "c2" / "cachefs.log").read_text()
+        (tmp_path / "bad").mkdir()
+        bad = subprocess.run(
+            cachefs_command("mount", hub.url, tmp_path / "bad", "--cache-dir", tmp_path / "c4", *SPOKE_ARGS),
+            env={**hub_env(), "CACHEFS_HUB_TOKEN": TOKEN + "\x01x"}, capture_output=True, text=True, timeout=60,
+        )
+        assert bad.returncode != 0 and bad.stderr == ("cachefs: error: the token in $CACHEFS_HUB_TOKEN is empty or "
+                                                      "holds characters an HTTP header cannot carry\n"), bad.stderr
     loose = tmp_path / "loose-token"
     loose.write_text(TOKEN)
     loose.chmod(0o644)

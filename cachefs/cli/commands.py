@@ -24,6 +24,7 @@ from ..cache.tenants import DEFAULT_TENANT, TENANTS_DIR, tenant_dir, validate_te
 from ..config import (
     MountConfig,
     PassthroughMode,
+    checked_token,
     parse_group,
     parse_hub_url,
     parse_listen,
@@ -207,6 +208,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 # -- mount ----------------------------------------------------------------------
 
 
+def _env_token() -> str | None:
+    """The token in $CACHEFS_HUB_TOKEN (a secret mounted as a variable often ends in a newline)."""
+    token = os.environ.get(TOKEN_ENV)
+    return checked_token(token, f"${TOKEN_ENV}") if token else None
+
+
 # The longest duration an option takes (~115 days): beyond it, time_t and
 # select() overflow, and no wait that long is meant.
 MAX_SECONDS = 10_000_000
@@ -263,7 +270,7 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
         tier_urls=parse_tier(args.tier, hub_url),
         tier_slice_bytes=validate_tier_slice(parse_size(args.tier_slice)),
         metrics_listen=parse_listen(args.metrics_listen) if args.metrics_listen else None,
-        token=read_token(args.token_file) if args.token_file else os.environ.get(TOKEN_ENV) or None,
+        token=read_token(args.token_file) if args.token_file else _env_token(),
         ca_file=args.ca_file,
         client_cert=args.tls_cert,
         client_key=args.tls_key,
