@@ -78,6 +78,10 @@ def parse_hub_url(text: str) -> HubURL:
         raise UsageError("credentials do not belong in the hub URL (they would show in `ps`): use --token-file")
     if not parts.hostname:
         raise UsageError(f"invalid hub URL {text!r}: no host name")
+    try:
+        parts.hostname.encode("idna")  # what a connection will need of it (a label of 64+ characters cannot)
+    except UnicodeError:
+        raise UsageError(f"invalid hub URL {text!r}: the host name is not a valid DNS name") from None
     if parts.query or parts.fragment:
         raise UsageError(f"invalid hub URL {text!r}: no query or fragment allowed")
     tls = parts.scheme == "https"
@@ -148,9 +152,15 @@ def validate_block_size(size_bytes: int) -> int:
     return size_bytes
 
 
+# uid_t and gid_t are 32 bits; (uid_t) -1 means "no change" to the kernel.
+MAX_ID = (1 << 32) - 2
+
+
 def parse_user(text: str) -> int:
     """A user name or numeric uid -> uid."""
-    if text.isdigit():
+    if text.isascii() and text.isdigit():
+        if int(text) > MAX_ID:
+            raise UsageError(f"invalid uid {text}: at most {MAX_ID}")
         return int(text)
     try:
         return pwd.getpwnam(text).pw_uid
@@ -160,7 +170,9 @@ def parse_user(text: str) -> int:
 
 def parse_group(text: str) -> int:
     """A group name or numeric gid -> gid."""
-    if text.isdigit():
+    if text.isascii() and text.isdigit():
+        if int(text) > MAX_ID:
+            raise UsageError(f"invalid gid {text}: at most {MAX_ID}")
         return int(text)
     try:
         return grp.getgrnam(text).gr_gid

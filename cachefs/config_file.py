@@ -49,6 +49,9 @@ def options_from_file(path: Path, parser: argparse.ArgumentParser) -> list[str]:
     for key, value in table.items():
         if key not in known or key in ("config", "help"):
             raise ConfigFileError(f"config file {path}: unknown option {key!r}")
+        if key == "foreground" and value is True:  # a mount from fstab or mount(8) would never return
+            raise ConfigFileError(f"config file {path}: foreground is not a file option; give --foreground "
+                                  "on the command line")
         flag = "--" + key.replace("_", "-")
         if value is True:
             options.append(flag)
@@ -59,6 +62,8 @@ def options_from_file(path: Path, parser: argparse.ArgumentParser) -> list[str]:
             options.append("--no-" + key.replace("_", "-"))
         elif value is not False:
             options += [flag, str(value)]
+    if any("\0" in option for option in options):
+        raise ConfigFileError(f"config file {path}: a value holds a NUL character")
     return options
 
 

@@ -197,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="rescan the root this often and publish a new generation (default: only on SIGUSR1 or POST /v1/rescan)",
     )
+    for command_parser in (parser, *commands.choices.values()):
+        command_parser.allow_abbrev = False  # --conf must not be taken for --config, which is read apart
     return parser
 
 
@@ -307,6 +309,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise UserError(_bind_error(host, port, exc)) from None
+    except UnicodeError:  # a label of 64+ characters: no DNS name
+        raise UserError(f"cannot listen on {host!r}: not a valid host name or address") from None
     family, sock_type, proto, _, address = infos[0]
     sock = socket.socket(family, sock_type, proto)
     try:

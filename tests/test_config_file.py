@@ -30,6 +30,20 @@ def test_bad_config_files_are_refused(hub, tmp_path: Path) -> None:
                          "not valid TOML")
     assert_clean_failure(run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", tmp_path / "c",
                                      "--config", tmp_path / "missing.toml"), "cannot read config file")
+    for text, message in (("foreground = true\n", "foreground is not a file option"),  # fstab's mount would hang
+                          ('cache_dir = "/tmp/c\\u0000x"\n', "a value holds a NUL character")):
+        (tmp_path / "bad.toml").write_text(text)
+        assert_clean_failure(run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", tmp_path / "c",
+                                         "--config", tmp_path / "bad.toml"), message)
+    (tmp_path / "zero.toml").write_text('cache_size = "0"\n')
+    abbreviated = run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", tmp_path / "c", "--conf", tmp_path / "zero.toml")
+    assert abbreviated.returncode == 2 and "unrecognized arguments: --conf" in abbreviated.stderr  # not a silent --config
+    for args, message in ((("--uid", "99999999999"), "invalid uid 99999999999"),
+                          (("--gid", "4294967295"), "invalid gid 4294967295")):
+        assert_clean_failure(run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", tmp_path / "c", *args), message)
+    long_host = "http://" + "a" * 64 + ":8470"
+    assert_clean_failure(run_cachefs("mount", long_host, tmp_path / "mnt", "--cache-dir", tmp_path / "c"),
+                         "the host name is not a valid DNS name")
 
 
 def test_hub_config_file_options_apply(dataset: Path, tmp_path: Path) -> None:
@@ -53,6 +67,10 @@ def test_hub_config_file_options_apply(dataset: Path, tmp_path: Path) -> None:
     bad.write_text('rot = "/srv"\n')
     result = run_hub_cli(["serve", "--config", str(bad)])
     assert result.returncode == 1 and "unknown option 'rot'" in result.stderr and "Traceback" not in result.stderr
+    result = run_hub_cli(["serve", "--root", str(dataset), "--conf", str(bad)])  # not --config, read apart and ignored
+    assert result.returncode != 0 and "--conf" in result.stderr and "Traceback" not in result.stderr
+    result = run_hub_cli(["serve", "--root", str(dataset), "--listen", "a" * 300 + ":0"])
+    assert result.returncode == 1 and "not a valid host name" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_a_list_in_a_config_file_gives_its_option_once_per_item(tmp_path: Path) -> None:

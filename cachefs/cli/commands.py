@@ -176,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
 
     cli_admin.add_parsers(commands)
+    for command_parser in (parser, *commands.choices.values()):
+        command_parser.allow_abbrev = False  # --conf must not be taken for --config, which is read apart
     return parser
 
 
@@ -450,7 +452,7 @@ def _start_background(config: MountConfig, argv: list[str], timeout_s: float) ->
     with open(log_path, "ab", opener=lambda name, flags: os.open(name, flags, 0o600)) as log_file:
         os.chmod(log_path, 0o600)  # made by an older cachefs, or under another umask
         child = subprocess.Popen(
-            [sys.executable, "-m", "cachefs", *argv, "--ready-fd", str(write_end)],
+            [sys.executable, "-m", "cachefs", argv[0], "--ready-fd", str(write_end), *argv[1:]],  # before any "--"
             pass_fds=(write_end,),
             stdin=subprocess.DEVNULL,
             stdout=log_file,
