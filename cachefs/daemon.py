@@ -531,8 +531,16 @@ def _mount_fusectl() -> None:
         raise OSError(code, os.strerror(code))
 
 
+def unwrapped(exc: BaseException) -> BaseException:
+    """The one error inside the exception groups of nurseries it was raised in."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
 def describe_error(exc: BaseException) -> str:
     """A one-line message for errors that may reach the user."""
+    exc = unwrapped(exc)
     if isinstance(exc, CachefsError):
         return str(exc)
     if isinstance(exc, OSError):

@@ -125,3 +125,19 @@ def test_readiness_is_reported_to_systemd(hub, tmp_path: Path) -> None:
         receiver.close()
         subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
     assert daemon.returncode == 0
+
+
+def test_a_metrics_port_in_use_is_one_line(hub, tmp_path: Path) -> None:
+    """The metrics server is started inside the daemon's nursery: its error came out wrapped in
+    an exception group, as an unexpected error with a traceback."""
+    from mount_helpers import assert_clean_failure, run_cachefs
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        (tmp_path / "mnt").mkdir()
+        result = run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", tmp_path / "c", *SPOKE_ARGS,
+                             "--metrics-listen", f"127.0.0.1:{port}")
+    assert_clean_failure(result, f"cannot serve metrics on 127.0.0.1:{port}: Address already in use")
+    assert "Traceback" not in (tmp_path / "c" / "cachefs.log").read_text()

@@ -432,13 +432,13 @@ def _check_fuse_installed() -> None:
 
 
 def _run_foreground(config: MountConfig, notify: Any) -> int:
-    from ..daemon import describe_error, run_daemon  # pyfuse3 is only needed here
+    from ..daemon import describe_error, run_daemon, unwrapped  # pyfuse3 is only needed here
 
     try:
         return run_daemon(config, notify)
     except Exception as exc:
         message = describe_error(exc)
-        if not isinstance(exc, (CachefsError, OSError)):
+        if not isinstance(unwrapped(exc), (CachefsError, OSError)):
             log.exception("daemon failed")
         log.error("%s", message)
         notify(f"error: {message}")
