@@ -30,6 +30,10 @@ from .keys import BlockKey
 log = logging.getLogger(__name__)
 
 ROWS = 4
+# Counters per row at most: 64 MiB of sketch in all (a cache of 16 M blocks gets two
+# counters per block; a larger one shares them, so counts of rare blocks run a little
+# high), where it grew with the cache: 1 GB of memory for --cache-size 100T at 64K blocks.
+MAX_WIDTH = 1 << 24
 _HEADER = struct.Struct(">4sIQQ")  # magic, rows, width, accesses since aging
 _MAGIC = b"CFS1"
 _HALVED = bytes(count >> 1 for count in range(256))
@@ -41,7 +45,7 @@ class FrequencySketch:
     def __init__(self, capacity_blocks: int) -> None:
         # Width: a power of two at least twice the blocks the cache holds,
         # so collisions rarely inflate a count (4 rows x 2 bytes per block).
-        self.width = 1 << max(10, (2 * max(1, capacity_blocks) - 1).bit_length())
+        self.width = min(MAX_WIDTH, 1 << max(10, (2 * max(1, capacity_blocks) - 1).bit_length()))
         self.counters = bytearray(ROWS * self.width)
         # Halve all counts after this many accesses: ten passes over a full
         # cache, long enough to see a training loop repeat, short enough

@@ -120,3 +120,11 @@ def test_under_a_plan_blocks_it_does_not_need_compete_by_popularity(tmp_path: Pa
         cache.sketch.record(key(8))
         assert cache.insert_many([(key(8), os.urandom(BLOCK), False)]) == 0
         assert cached(cache) == [0, 1, 2, 3] and stats.rejected_blocks == 1
+
+
+def test_the_admission_sketch_of_a_huge_cache_is_bounded() -> None:
+    """Its memory grew with the cache (2 bytes per block x 4 rows): 1 GB for 100 TiB of 64 KiB blocks."""
+    from cachefs.cache.policy import MAX_WIDTH, ROWS, FrequencySketch
+
+    assert len(FrequencySketch(1000).counters) == ROWS * 2048  # two counters per block, as before
+    assert len(FrequencySketch((100 << 40) // (64 << 10)).counters) == ROWS * MAX_WIDTH == 64 << 20
