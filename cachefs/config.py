@@ -20,14 +20,14 @@ _UNITS = {"": 1, "B": 1, "K": KiB, "M": MiB, "G": GiB, "T": 1024 * GiB, "P": 102
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?\s*$", re.IGNORECASE)
 
 
-def parse_size(text: str) -> int:
-    """Parse '512M', '10GiB', '1.5T' or '4096' into bytes (binary units)."""
+def parse_size(text: str, *, zero: bool = False) -> int:
+    """Parse '512M', '10GiB', '1.5T' or '4096' into bytes (binary units); 0 only if `zero`."""
     match = _SIZE_RE.match(text)
     if not match:
         raise UsageError(f"invalid size {text!r}: use a number with an optional unit K, M, G or T (e.g. 10G)")
     number, unit = match.groups()
     size = int(float(number) * _UNITS[unit.upper()])
-    if size <= 0:
+    if size < 0 or (size == 0 and not zero):
         raise UsageError(f"invalid size {text!r}: must be greater than zero")
     return size
 

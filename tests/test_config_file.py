@@ -43,6 +43,9 @@ def test_bad_config_files_are_refused(hub, tmp_path: Path) -> None:
     for args, message in ((("--uid", "99999999999"), "invalid uid 99999999999"),
                           (("--gid", "4294967295"), "invalid gid 4294967295")):
         assert_clean_failure(run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", tmp_path / "c", *args), message)
+    zero_min = run_cachefs("mount", "http://127.0.0.1:1", tmp_path / "mnt", "--cache-dir", tmp_path / "c",
+                           "--cache-min", "0")  # the default, given (as fstab's cache_min=0 gives it): taken
+    assert_clean_failure(zero_min, "cannot get the manifest")
     long_host = "http://" + "a" * 64 + ":8470"
     assert_clean_failure(run_cachefs("mount", long_host, tmp_path / "mnt", "--cache-dir", tmp_path / "c"),
                          "the host name is not a valid DNS name")

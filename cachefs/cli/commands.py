@@ -250,7 +250,7 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
     pool_dir = Path(os.path.abspath(args.cache_dir))
     tenant = validate_tenant(args.tenant) if args.tenant is not None else DEFAULT_TENANT
     cache_size = parse_size(args.cache_size)
-    cache_min = parse_size(args.cache_min) if args.cache_min is not None else 0
+    cache_min = parse_size(args.cache_min, zero=True) if args.cache_min is not None else 0  # 0: the default
     cache_max = parse_size(args.cache_max) if args.cache_max is not None else None
     if cache_min > min(cache_size, cache_max or cache_size):
         raise UsageError(f"--cache-min {args.cache_min} is more than --cache-max or --cache-size")
