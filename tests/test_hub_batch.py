@@ -13,7 +13,7 @@ from pathlib import Path
 
 import xxhash
 from aiohttp.test_utils import TestClient, TestServer
-from hub_helpers import fetch_manifest, http_get, running_hub
+from hub_helpers import HubProcess, fetch_manifest, http_get, running_hub
 
 from hubserver import batch
 from hubserver.app import make_app
@@ -137,16 +137,27 @@ def test_one_client_holds_at_most_half_the_memory_slots(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
+def files_of(root: Path, size: int) -> dict[str, bytes]:
+    """64 files of `size` bytes in `root`, by name."""
+    contents = {f"f{i:02d}.bin": bytes([i]) * size for i in range(64)}
+    for name, data in contents.items():
+        (root / name).write_bytes(data)
+    return contents
+
+
+def batch_names(hub: HubProcess, contents: dict[str, bytes]) -> str:
+    """The batch request's `f` of these files, from the hub's manifest."""
+    entries = fetch_manifest(hub).files()
+    return ",".join(f"{entries[name]['i']}.{entries[name]['v']}" for name in contents)
+
+
 def test_clients_reading_batches_slowly_hold_no_slot(tmp_path: Path) -> None:
     """Batches are sent from their files' descriptors once hashed: MAX_IN_MEMORY clients
     that ask for 8 MiB batches and do not read them hold their connections, not the slots
     (before: every other client's batch was 503 for as long as they kept them)."""
-    contents = {f"f{i:02d}.bin": bytes([i]) * (128 * KiB) for i in range(64)}
-    for name, data in contents.items():
-        (tmp_path / name).write_bytes(data)
+    contents = files_of(tmp_path, 128 * KiB)
     with running_hub(tmp_path) as hub:
-        entries = fetch_manifest(hub).files()
-        names = ",".join(f"{entries[name]['i']}.{entries[name]['v']}" for name in contents)
+        names = batch_names(hub, contents)
         query = f"/v1/batch?bs={128 * KiB}&f={names}"
         slow = []
         try:
@@ -168,12 +179,9 @@ def test_clients_reading_batches_slowly_hold_no_slot(tmp_path: Path) -> None:
 def test_clients_that_reset_a_batch_part_way_are_no_error(tmp_path: Path) -> None:
     """A client that resets its connection while the hub opens the batch's next file is a
     client gone (499 in the access log), not an error with a traceback in the hub's log."""
-    contents = {f"f{i:02d}.bin": bytes([i]) * (4 * KiB) for i in range(64)}
-    for name, data in contents.items():
-        (tmp_path / name).write_bytes(data)
+    contents = files_of(tmp_path, 4 * KiB)
     with running_hub(tmp_path) as hub:
-        entries = fetch_manifest(hub).files()
-        names = ",".join(f"{entries[name]['i']}.{entries[name]['v']}" for name in contents)
+        names = batch_names(hub, contents)
         request = f"GET /v1/batch?bs={64 * KiB}&f={names} HTTP/1.1\r\nHost: hub\r\n\r\n".encode()
         for attempt in range(100):
             with socket.create_connection((hub.host, hub.port), timeout=10) as client:
