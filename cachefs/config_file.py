@@ -31,11 +31,14 @@ def with_config_file(argv: list[str], parser: argparse.ArgumentParser, command: 
             path = Path(arg.split("=", 1)[1])
     if path is None:
         return argv
-    return [command, *options_from_file(path, _subparser(parser, command)), *argv[1:]]
+    given = {arg.split("=", 1)[0] for arg in argv[1:] if arg.startswith("--")}
+    return [command, *options_from_file(path, _subparser(parser, command), given), *argv[1:]]
 
 
-def options_from_file(path: Path, parser: argparse.ArgumentParser) -> list[str]:
-    """The file's keys as long options of `parser` (unknown keys are an error)."""
+def options_from_file(path: Path, parser: argparse.ArgumentParser, given: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """The file's keys as long options of `parser` (unknown keys are an error), but for those the
+    command line gives (`given`: its long options): a flag overrides the file, also for an option
+    given once per item (a file's `tier` list and a `--tier` flag are not added together)."""
     try:
         with open(path, "rb") as source:
             table = tomllib.load(source)
@@ -53,6 +56,8 @@ def options_from_file(path: Path, parser: argparse.ArgumentParser) -> list[str]:
             raise ConfigFileError(f"config file {path}: foreground is not a file option; give --foreground "
                                   "on the command line")
         flag = "--" + key.replace("_", "-")
+        if flag in given or "--no-" + key.replace("_", "-") in given:
+            continue
         if value is True:
             options.append(flag)
         elif isinstance(value, list):  # an option given once per item (tier = ["http://a", "http://b"])

@@ -31,7 +31,7 @@ def test_bad_config_files_are_refused(hub, tmp_path: Path) -> None:
     assert_clean_failure(run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", tmp_path / "c",
                                      "--config", tmp_path / "missing.toml"), "cannot read config file")
     for text, message in (("foreground = true\n", "foreground is not a file option"),  # fstab's mount would hang
-                          ('cache_dir = "/tmp/c\\u0000x"\n', "a value holds a NUL character")):
+                          ('token_file = "/tmp/t\\u0000x"\n', "a value holds a NUL character")):
         (tmp_path / "bad.toml").write_text(text)
         assert_clean_failure(run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", tmp_path / "c",
                                          "--config", tmp_path / "bad.toml"), message)
@@ -88,6 +88,9 @@ def test_a_list_in_a_config_file_gives_its_option_once_per_item(tmp_path: Path) 
     argv = with_config_file(command_line, build_parser(), "mount")
     assert argv[:5] == ["mount", "--tier", "http://tier-0:8470", "--tier", "http://tier-1:8470"]
     assert build_parser().parse_args(argv).tier == ["http://tier-0:8470", "http://tier-1:8470"]
+    # A flag overrides the file, a list too: the file's tiers are not added to the flag's.
+    argv = with_config_file([*command_line, "--tier", "http://tier-0:8470"], build_parser(), "mount")
+    assert build_parser().parse_args(argv).tier == ["http://tier-0:8470"]
 
 
 def test_passthrough_false_in_a_config_file_turns_it_off(tmp_path: Path) -> None:
