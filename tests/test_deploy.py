@@ -396,6 +396,10 @@ def test_mount_helper_translates_fstab_options(tmp_path: Path) -> None:
         "--reverify-interval 3600 --reverify-rate 32M --allow-other --no-passthrough --debug"
     )
     assert not (tmp_path / "mnt").exists()
+    for order, flag in ((["nopassthrough", "passthrough"], "--passthrough"),
+                        (["passthrough", "nopassthrough"], "--no-passthrough")):  # the last one wins
+        result = run_helper("-f", "-v", "http://hub:8470", tmp_path / "mnt", "-o", ",".join(["cache_dir=/c", *order]))
+        assert result.returncode == 0 and result.stdout.strip().endswith(f"--cache-dir /c {flag}"), result.stdout
 
 
 def test_mount_helper_passes_every_tier_node_in_order(tmp_path: Path) -> None:
