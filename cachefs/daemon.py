@@ -38,7 +38,7 @@ from .fetch.hub_client import ClientOptions, HubClient
 from .fetch.tier_client import TierClient
 from .fs.hub_silence import HubSilence
 from .fs.mountpoints import find_mount
-from .fs.operations import CachefsOperations
+from .fs.operations import CachefsOperations, forget_in_kernel
 from .fs.passthrough import Passthrough
 from .fs.reverify import Reverifier
 from .metrics import Stats, cache_gauges, process_usage, serve_metrics, training_gauges
@@ -452,22 +452,14 @@ async def _invalidate_kernel_caches(changes: Changes) -> None:
 
     def invalidate() -> None:
         for ino in changes.changed:
-            _ignore_missing(pyfuse3.invalidate_inode, ino)
+            forget_in_kernel(pyfuse3.invalidate_inode, ino)
         for parent, name, ino in changes.removed:
-            _ignore_missing(pyfuse3.invalidate_entry, parent, name)
-            _ignore_missing(pyfuse3.invalidate_inode, ino)
+            forget_in_kernel(pyfuse3.invalidate_entry, parent, name)
+            forget_in_kernel(pyfuse3.invalidate_inode, ino)
         for parent, name in changes.added:  # a negative entry, or one of another kind
-            _ignore_missing(pyfuse3.invalidate_entry, parent, name)
+            forget_in_kernel(pyfuse3.invalidate_entry, parent, name)
 
     await trio.to_thread.run_sync(invalidate)
-
-
-def _ignore_missing(function: Callable[..., None], *args: Any) -> None:
-    try:
-        function(*args)
-    except OSError as exc:  # ENOENT: the kernel did not know it, nothing to forget
-        if exc.errno != errno.ENOENT:
-            log.warning("cannot invalidate %s: %s", args, exc)
 
 
 def _start_passthrough(operations: CachefsOperations, passthrough: Passthrough) -> None:

@@ -61,13 +61,17 @@ def _guarded(handler: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _forget_attributes(ino: int) -> None:
-    """Have the kernel ask for an inode's attributes again (worker thread; nothing if it forgot the inode)."""
+def forget_in_kernel(invalidate: Callable[..., None], *args: Any) -> None:
+    """Tell the kernel to forget a name or an inode (pyfuse3.invalidate_*; a worker thread):
+    nothing if it did not know it."""
     try:
-        pyfuse3.invalidate_inode(ino, attr_only=True)
-    except OSError as exc:
+        invalidate(*args)
+    except OSError as exc:  # ENOENT: the kernel did not know it, nothing to forget
         if exc.errno != errno.ENOENT:
-            log.warning("cannot invalidate the attributes of inode %d: %s", ino, exc)
+            log.warning("cannot invalidate %s: %s", args, exc)
+
+
+_forget_attributes = functools.partial(pyfuse3.invalidate_inode, attr_only=True)
 
 
 async def _read_only_async(*_args: Any, **_kwargs: Any) -> Any:
@@ -338,7 +342,7 @@ class CachefsOperations(pyfuse3.Operations):
                 if self._page_cache.release(handle.inode, self._namespace.get(handle.inode.ino)):
                     # A read of it that ended short at its old end set the kernel's size back to the
                     # old version's: the next stat and open must ask for the current one.
-                    await trio.to_thread.run_sync(_forget_attributes, handle.inode.ino)
+                    await trio.to_thread.run_sync(forget_in_kernel, _forget_attributes, handle.inode.ino)
 
     # No `flush`: pyfuse3 answers the first FLUSH with ENOSYS and the kernel then
     # stops sending one on every close() (nothing here is ever dirty). That is a
