@@ -156,12 +156,19 @@ def validate_block_size(size_bytes: int) -> int:
 MAX_ID = (1 << 32) - 2
 
 
+def _numeric_id(text: str, what: str) -> int | None:
+    """A numeric uid or gid, in range; None if `text` is a name."""
+    if not (text.isascii() and text.isdigit()):
+        return None
+    if int(text) > MAX_ID:
+        raise UsageError(f"invalid {what} {text}: at most {MAX_ID}")
+    return int(text)
+
+
 def parse_user(text: str) -> int:
     """A user name or numeric uid -> uid."""
-    if text.isascii() and text.isdigit():
-        if int(text) > MAX_ID:
-            raise UsageError(f"invalid uid {text}: at most {MAX_ID}")
-        return int(text)
+    if (uid := _numeric_id(text, "uid")) is not None:
+        return uid
     try:
         return pwd.getpwnam(text).pw_uid
     except KeyError:
@@ -170,10 +177,8 @@ def parse_user(text: str) -> int:
 
 def parse_group(text: str) -> int:
     """A group name or numeric gid -> gid."""
-    if text.isascii() and text.isdigit():
-        if int(text) > MAX_ID:
-            raise UsageError(f"invalid gid {text}: at most {MAX_ID}")
-        return int(text)
+    if (gid := _numeric_id(text, "gid")) is not None:
+        return gid
     try:
         return grp.getgrnam(text).gr_gid
     except KeyError:
