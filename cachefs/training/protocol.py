@@ -39,8 +39,7 @@ async def receive_plan(plan: Plan, lines: Lines, namespace: Namespace, arrived: 
             raise CachefsError(f"plan rejected: no line for {LINE_TIMEOUT_S:g} s before its end marker") from None
         if line is None:
             return False
-        if plan.cancelled:  # cancel_all while it was being sent: its entry store is closed
-            raise CachefsError("plan cancelled while it was being sent: the mount moved to a new snapshot; send it again")
+        _stop_if_cancelled(plan)
         try:
             message = json.loads(line)
         except ValueError:
@@ -124,6 +123,10 @@ async def _add_reads(plan: Plan, reads: Any) -> None:
 async def _checkpoint(plan: Plan) -> None:
     """Let the event loop run other work; the plan may have been cancelled meanwhile."""
     await trio.lowlevel.checkpoint()
+    _stop_if_cancelled(plan)
+
+
+def _stop_if_cancelled(plan: Plan) -> None:
     if plan.cancelled:  # cancel_all while it was being sent: its entry store is closed
         raise CachefsError("plan cancelled while it was being sent: the mount moved to a new snapshot; send it again")
 
