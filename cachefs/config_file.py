@@ -55,8 +55,8 @@ def options_from_file(path: Path, parser: argparse.ArgumentParser, given: frozen
         if key == "foreground" and value is True:  # a mount from fstab or mount(8) would never return
             raise ConfigFileError(f"config file {path}: foreground is not a file option; give --foreground "
                                   "on the command line")
-        flag = "--" + key.replace("_", "-")
-        if flag in given or "--no-" + key.replace("_", "-") in given:
+        flag, negated = "--" + key.replace("_", "-"), "--no-" + key.replace("_", "-")
+        if flag in given or negated in given:
             continue
         if value is True:
             options.append(flag)
@@ -64,7 +64,7 @@ def options_from_file(path: Path, parser: argparse.ArgumentParser, given: frozen
             for item in value:
                 options += [flag, str(item)]
         elif value is False and key in negatable:  # passthrough = false -> --no-passthrough
-            options.append("--no-" + key.replace("_", "-"))
+            options.append(negated)
         elif value is not False:
             options += [flag, str(value)]
     if any("\0" in option for option in options):

@@ -222,8 +222,7 @@ def reclaim(directory: Path, name: str, keep_bytes: int | None, pool_bytes: int)
                 store = BlockStore(directory, block_size) if block_size else None
                 goal = min(index.used_bytes() - keep_bytes, RECLAIM_BATCH_BYTES)
                 victims: list[BlockKey] = []
-                oldest = index.iter_oldest()  # past however many pinned blocks come first
-                try:
+                with contextlib.closing(index.iter_oldest()) as oldest:  # past however many pinned blocks come first
                     for key in oldest:
                         if freed >= goal:
                             break
@@ -232,8 +231,6 @@ def reclaim(directory: Path, name: str, keep_bytes: int | None, pool_bytes: int)
                             continue
                         victims.append(key)
                         freed += entry.length
-                finally:
-                    oldest.close()
                 index.remove_many(victims)
                 for key in victims:
                     if store is not None:
