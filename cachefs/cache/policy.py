@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 ROWS = 4
 # Counters per row at most: 64 MiB of sketch in all (a cache of 16 M blocks gets two
 # counters per block; a larger one shares them, so counts of rare blocks run a little
-# high), where it grew with the cache: 1 GB of memory for --cache-size 100T at 64K blocks.
+# high). Unbounded, --cache-size 100T at 64K blocks would take 1 GB.
 MAX_WIDTH = 1 << 24
 _HEADER = struct.Struct(">4sIQQ")  # magic, rows, width, accesses since aging
 _MAGIC = b"CFS1"

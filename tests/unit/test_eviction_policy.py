@@ -123,7 +123,7 @@ def test_under_a_plan_blocks_it_does_not_need_compete_by_popularity(tmp_path: Pa
 
 
 def test_the_admission_sketch_of_a_huge_cache_is_bounded() -> None:
-    """Its memory grew with the cache (2 bytes per block x 4 rows): 1 GB for 100 TiB of 64 KiB blocks."""
+    """2 bytes per block x 4 rows, unbounded, would be 1 GB for 100 TiB of 64 KiB blocks."""
     from cachefs.cache.policy import MAX_WIDTH, ROWS, FrequencySketch
 
     assert len(FrequencySketch(1000).counters) == ROWS * 2048  # two counters per block, as before

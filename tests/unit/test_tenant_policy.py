@@ -199,7 +199,7 @@ def test_an_unmounted_tenant_s_oldest_blocks_are_reclaimed_when_a_mounted_one_ne
 
 def test_an_unmounted_tenant_s_blocks_behind_a_large_pinned_file_are_reclaimed_too(tmp_path: Path) -> None:
     """Reclaim walks the unmounted tenant's blocks oldest first past its pinned ones, however
-    many: a large pinned file among its oldest blocks used to hide every block after it."""
+    many: a window of the oldest blocks would be filled by a large pinned file among them."""
     pool = 2000
     with tenant_cache(tmp_path, "gone", pool_blocks=pool) as (gone, share):
         put_meta(gone._db, "block_size", str(BLOCK))  # as the daemon records it
