@@ -43,23 +43,26 @@ def names(namespace: Namespace, path: str) -> list[str]:
 
 def test_a_new_generation_lists_what_it_added_changed_and_removed(db: NamespaceDb, tmp_path: Path) -> None:
     old = [dir_entry(""), dir_entry("a"), dir_entry("a/sub"), file_entry("a/sub/gone.bin", 5), file_entry("a/keep.bin", 5),
-           file_entry("a/grows.bin", 5), file_entry("becomes-dir", 5), file_entry("z.bin", 5)]
+           file_entry("a/grows.bin", 5), file_entry("a/rewritten.bin", 5), file_entry("becomes-dir", 5), file_entry("z.bin", 5)]
     _summary, first = load_manifest(db, write_manifest(tmp_path / "1.gz", "g1", old))
     assert first == NamespaceChanges()  # the kernel knows nothing yet: nothing to list
     new = [dir_entry(""), dir_entry("a"), file_entry("a/keep.bin", 5), file_entry("a/grows.bin", 6),
-           dir_entry("becomes-dir"), file_entry("becomes-dir/x", 1), file_entry("new.bin", 7)]
+           file_entry("a/rewritten.bin", 5, version=2), dir_entry("becomes-dir"), file_entry("becomes-dir/x", 1),
+           file_entry("new.bin", 7)]
     summary, changes = load_manifest(db, write_manifest(tmp_path / "2.gz", "g2", new))
 
-    assert (summary.generation, summary.entries, summary.file_bytes) == ("g2", 7, 19)
+    assert (summary.generation, summary.entries, summary.file_bytes) == ("g2", 8, 24)
     ino = inode_number
-    assert sorted(changes.changed) == sorted([ino("a/grows.bin"), ino("becomes-dir")])
+    assert sorted(changes.changed) == sorted([ino("a/grows.bin"), ino("a/rewritten.bin"), ino("becomes-dir")])
     removed = [(ino("a"), b"sub", ino("a/sub")), (ino("a/sub"), b"gone.bin", ino("a/sub/gone.bin")),
                (ROOT_INODE, b"z.bin", ino("z.bin"))]
     assert sorted(changes.removed) == sorted(removed)
-    assert sorted(changes.added) == sorted([(ROOT_INODE, b"becomes-dir"), (ino("becomes-dir"), b"x"), (ROOT_INODE, b"new.bin")])
+    # a new version of a file is looked up again (its new FUSE generation); a new size alone is not
+    added = [(ROOT_INODE, b"becomes-dir"), (ino("becomes-dir"), b"x"), (ROOT_INODE, b"new.bin"), (ino("a"), b"rewritten.bin")]
+    assert sorted(changes.added) == sorted(added)
     namespace = Namespace(db)
     assert names(namespace, "") == ["a", "becomes-dir", "new.bin"]
-    assert names(namespace, "a") == ["keep.bin", "grows.bin"]
+    assert names(namespace, "a") == ["keep.bin", "grows.bin", "rewritten.bin"]
     for gone in ("a/sub", "a/sub/gone.bin", "z.bin"):
         assert namespace.resolve(gone) is None and namespace.get(ino(gone)) is None
     grown = namespace.resolve("a/grows.bin")

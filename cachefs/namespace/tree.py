@@ -269,8 +269,9 @@ class NamespaceChanges:
 
     changed: list[int] = dataclasses.field(default_factory=list)  # inodes whose attributes or content changed
     removed: list[tuple[int, bytes, int]] = dataclasses.field(default_factory=list)  # (parent, name, inode)
-    # (parent, name) of new paths (the kernel may hold a negative entry for them) and
-    # of paths whose kind changed (a file became a directory: a new kernel inode)
+    # (parent, name) the kernel must look up again: new paths (it may hold a negative entry
+    # for them), paths whose kind changed (a file became a directory: a new kernel inode)
+    # and files of a new version (a new FUSE generation, which only a lookup tells it)
     added: list[tuple[int, bytes]] = dataclasses.field(default_factory=list)
 
     def discard(self) -> None:
@@ -381,7 +382,7 @@ def _write_entries(txn: lmdb.Transaction, db: NamespaceDb, lines: Iterator[dict[
         old = txn.get(packed_ino, db=db.inodes)
         if old is not None and _without_position(old) != _without_position(packed):
             changes.changed.append(inode.ino)
-        if path != "" and not first_load and (old is None or _ATTRS.unpack_from(old)[0] != inode.kind):
+        if path != "" and not first_load and _looked_up_again(old, inode):
             changes.added.append((inode.parent, name))
         txn.put(packed_ino, packed, db=db.inodes)
         file_bytes += inode.size if inode.is_file else 0
@@ -389,6 +390,13 @@ def _write_entries(txn: lmdb.Transaction, db: NamespaceDb, lines: Iterator[dict[
     if entries == 0:
         raise HubProtocolError("manifest has no root entry")
     return entries, file_bytes, changes
+
+
+def _looked_up_again(old: bytes | memoryview | None, new: Inode) -> bool:
+    """Whether the kernel must look a name up again: new, of another kind, or a file's new version."""
+    if old is None or _ATTRS.unpack_from(old)[0] != new.kind:
+        return True
+    return new.is_file and old[_ATTRS.size + 8 : _ATTRS.size + 16] != new.version
 
 
 def _without_position(packed: bytes | memoryview) -> bytes:
