@@ -38,12 +38,12 @@ from .fetch.hub_client import ClientOptions, HubClient
 from .fetch.tier_client import TierClient
 from .fs.hub_silence import HubSilence
 from .fs.mountpoints import find_mount
-from .fs.operations import CachefsOperations, forget_in_kernel
+from .fs.operations import CachefsOperations
 from .fs.passthrough import Passthrough
 from .fs.reverify import Reverifier
 from .metrics import Stats, cache_gauges, process_usage, serve_metrics, training_gauges
 from .namespace.snapshots import Snapshots
-from .namespace.tree import Changes, Namespace
+from .namespace.tree import Namespace
 from .prefetch.readahead import ReadAhead
 from .read.blocks import BlockSource
 from .read.claims import ReadAheadClaims
@@ -237,12 +237,11 @@ async def _serve(
             async def refresh() -> dict[str, Any]:
                 # Plans resolved against the old snapshot end once the new one is loaded;
                 # those that started arriving after it was shown are kept.
-                return await snapshots.refresh(
-                    cache,
-                    _invalidate_kernel_caches,
-                    lambda generation: planner.cancel_all("the mount moved to a new snapshot", generation),
-                    operations.refreshing,
-                )
+                def moved(generation: str) -> None:
+                    planner.cancel_all("the mount moved to a new snapshot", generation)
+                    operations.generation_shown()
+
+                return await snapshots.refresh(cache, operations.tell_kernel, moved, operations.refreshing)
 
             sections = {"training": planner.snapshot, "process": process_usage,
                         "tenants": lambda: share.snapshot(cache.used_bytes(), cache.pinned_bytes())}
@@ -445,21 +444,6 @@ async def _terminate_on_signal() -> None:
             log.info("received %s; unmounting", signal.Signals(signum).name)
             pyfuse3.terminate()
             return
-
-
-async def _invalidate_kernel_caches(changes: Changes) -> None:
-    """Make the kernel forget attributes, names and pages of what a new generation changed."""
-
-    def invalidate() -> None:
-        for ino in changes.changed:
-            forget_in_kernel(pyfuse3.invalidate_inode, ino)
-        for parent, name, ino in changes.removed:
-            forget_in_kernel(pyfuse3.invalidate_entry, parent, name)
-            forget_in_kernel(pyfuse3.invalidate_inode, ino)
-        for parent, name in changes.added:  # a negative entry, or one of another kind
-            forget_in_kernel(pyfuse3.invalidate_entry, parent, name)
-
-    await trio.to_thread.run_sync(invalidate)
 
 
 def _start_passthrough(operations: CachefsOperations, passthrough: Passthrough) -> None:

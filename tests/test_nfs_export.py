@@ -15,9 +15,10 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 from conftest import SPOKE_ARGS
 from dataset import source_files
 from hub_helpers import REPO_ROOT, HubProcess, running_hub, sample, scrape_metrics
@@ -86,6 +87,15 @@ def test_an_uncached_file_read_over_nfs_crosses_from_the_hub_once(dataset: Path,
         assert sent == len(expected)
 
 
+def _rewrite_and_refresh(hub: HubProcess, spoke: SpokeMount, path: Path, content: bytes) -> None:
+    """A new version of one file at the hub, and the spoke refreshed onto it."""
+    path.write_bytes(content)
+    with urllib.request.urlopen(urllib.request.Request(hub.url + "/v1/rescan", method="POST"), timeout=60) as answer:
+        assert json.load(answer)["rescanned"] is True
+    result = run_cachefs("refresh", spoke.mountpoint)
+    assert result.returncode == 0, result.stderr
+
+
 def test_idle_nfs_handles_survive_a_server_restart_and_only_removed_files_turn_stale(dataset: Path, tmp_path: Path) -> None:
     """File handles an NFSv3 client holds keep reading after Ganesha restarts (they name the
     spoke's stable inodes), and after a snapshot refresh: ESTALE for the file removed, an
@@ -111,21 +121,74 @@ def test_idle_nfs_handles_survive_a_server_restart_and_only_removed_files_turn_s
 
             (source / removed).unlink()
             new_bytes = b"a second version, longer than the first one was\n"
-            (source / changed).write_bytes(new_bytes)
-            with urllib.request.urlopen(urllib.request.Request(hub.url + "/v1/rescan", method="POST"), timeout=60) as answer:
-                assert json.load(answer)["rescanned"] is True
-            result = run_cachefs("refresh", spoke.mountpoint)
-            assert result.returncode == 0, result.stderr
+            _rewrite_and_refresh(hub, spoke, source / changed, new_bytes)
 
             assert client.size(handles[removed]) == -errno.ESTALE
             # The server held the old version open: its handle fails rather than read on in it.
             assert isinstance(client.read(handles[changed], 0, 4096), int)
-            for _ in range(2):  # and then never serves the old bytes, nor a mix with the new size
+            for _ in range(2):  # and then never serves the old bytes, nor the new ones under the old size
                 size, data = client.size(handles[changed]), client.read(handles[changed], 0, 4096)
-                assert (size, data) == (len(new_bytes), new_bytes) or size == -errno.ESTALE, (size, data)
+                assert size == -errno.ESTALE and isinstance(data, int), (size, data)
             result = ns.run(["nfs-cat", f"nfs://127.0.0.1{spoke.mountpoint}/{changed}?version=3"])
             assert result.stdout == new_bytes, result.stderr
             assert client.read(handles[kept], 0, 4096) == kept_bytes[:4096]
+
+
+def test_a_fresh_lookup_after_a_refresh_reads_the_new_version_of_a_file_ganesha_holds_open(dataset: Path, tmp_path: Path) -> None:
+    """A client read a file before a refresh changed it, so Ganesha holds its old version
+    open. Another client's first lookup and read after the refresh get the new bytes; the
+    first client's handle never reads the old ones. A file the refresh added to a
+    directory Ganesha has listed is found at once."""
+    source = tmp_path / "source"
+    shutil.copytree(dataset, source, symlinks=True)
+    changed, added = "with space.txt", "small/dir 0/added.dat"
+    old_bytes, new_bytes = (source / changed).read_bytes(), b"a second version, longer than the first one was\n"
+    with running_hub(source) as hub, mounted_spoke(hub.url, tmp_path, NFS_SPOKE_ARGS) as spoke, nfs_namespace(tmp_path) as ns:
+        ns.start_ganesha(spoke.mountpoint)
+        listing = ns.run(["nfs-ls", "-R", f"nfs://127.0.0.1{spoke.mountpoint}/?version=3"])
+        assert listing.returncode == 0 and b"added.dat" not in listing.stdout, listing.stderr
+        with idle_nfs_client(ns, str(spoke.mountpoint), version=3) as client:
+            held = client.open("/" + changed)
+            assert client.read(held, 0, 4096) == old_bytes
+            (source / added).write_bytes(b"added by the refresh\n")
+            _rewrite_and_refresh(hub, spoke, source / changed, new_bytes)
+            result = ns.run(["nfs-cat", f"nfs://127.0.0.1{spoke.mountpoint}/{added}?version=3"])
+            assert (result.returncode, result.stdout) == (0, b"added by the refresh\n"), result.stderr
+            for version in (3, 4):
+                result = ns.run(["nfs-cat", f"nfs://127.0.0.1{spoke.mountpoint}/{changed}?version={version}"])
+                assert (result.returncode, result.stdout) == (0, new_bytes), result.stderr
+            assert client.read(client.open("/" + changed), 0, 4096) == new_bytes
+            for _ in range(2):  # the old version's handle no longer reads (its attributes may be Ganesha's cached ones)
+                size, data = client.size(held), client.read(held, 0, 4096)
+                assert size in (len(old_bytes), -errno.ESTALE) and isinstance(data, int), (size, data)
+
+
+def _assert_stale(call: Callable[[], object]) -> None:
+    with pytest.raises(OSError) as stale:
+        call()
+    assert stale.value.errno == errno.ESTALE
+
+
+def test_a_kernel_handle_of_a_version_a_refresh_replaced_is_stale(tmp_path: Path, dataset: Path) -> None:
+    """The spoke's half of the above. After a refresh, a handle the kernel made of the old
+    version (what Ganesha holds) fails with ESTALE, and so does a stat of a file opened
+    before: while the kernel still holds the old version's inode (the daemon refuses it),
+    and once the path was looked up again (the kernel sees the new generation). The
+    path's new handle opens the new version."""
+    source = tmp_path / "source"
+    shutil.copytree(dataset, source, symlinks=True)
+    changed, new_bytes = "with space.txt", b"the second version\n"
+    with running_hub(source) as hub, mounted_spoke(hub.url, tmp_path, NFS_SPOKE_ARGS) as spoke:
+        old_handle = _name_to_handle(spoke.mountpoint / changed)
+        with open(spoke.mountpoint / changed, "rb") as before:
+            assert before.read() == (source / changed).read_bytes()
+            _rewrite_and_refresh(hub, spoke, source / changed, new_bytes)
+            _assert_stale(lambda: os.fstat(before.fileno()))
+            _assert_stale(lambda: os.close(_open_by_handle(spoke.mountpoint, old_handle)))
+        assert (spoke.mountpoint / changed).read_bytes() == new_bytes
+        _assert_stale(lambda: os.close(_open_by_handle(spoke.mountpoint, old_handle)))
+        with os.fdopen(_open_by_handle(spoke.mountpoint, _name_to_handle(spoke.mountpoint / changed)), "rb") as after:
+            assert after.read() == new_bytes
 
 
 @contextlib.contextmanager

@@ -147,6 +147,10 @@ def ganesha_config(config: ExportConfig) -> str:
         _block("NFSV4", nfsv4),
         _block("NFS_KRB5", ["Active_krb5 = false;"]),
         _block("EXPORT", export),
+        # No directory entries cached in Ganesha: a refresh that rewrites a file leaves its
+        # directory's time as it was, so Ganesha would go on answering the name with the
+        # old version's handle; the kernel, which the daemon tells, answers with the new one.
+        _block("MDCACHE", ["Dir_Chunk = 0;"]),
         _block("LOG", ["Default_Log_Level = EVENT;"]),
     ])
 

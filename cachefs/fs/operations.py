@@ -16,7 +16,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import pyfuse3
@@ -25,7 +25,7 @@ import trio
 from ..config import Ownership
 from ..errors import DataFileChanged, HubError, OpenInAnotherVersion, RemoteFileChanged
 from ..metrics import READ_DURATION, Stats
-from ..namespace.tree import KIND_DIR, KIND_FILE, Inode, Namespace
+from ..namespace.tree import KIND_DIR, KIND_FILE, Changes, Inode, Namespace
 from ..read.handles import OpenFiles
 from ..read.reader import Reader
 from .hub_silence import HubSilence
@@ -61,7 +61,7 @@ def _guarded(handler: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def forget_in_kernel(invalidate: Callable[..., None], *args: Any) -> None:
+def _forget_in_kernel(invalidate: Callable[..., None], *args: Any) -> None:
     """Tell the kernel to forget a name or an inode (pyfuse3.invalidate_*; a worker thread):
     nothing if it did not know it."""
     try:
@@ -134,6 +134,42 @@ class PageCacheVersions:
         return replaced
 
 
+class ReplacedInKernel:
+    """Files whose kernel inode may still be of a version a refresh replaced (--nfs-export).
+
+    A file's versions share its inode number; only the FUSE generation tells
+    them apart, and the kernel learns a new generation only from a lookup of
+    the name (or a readdirplus). Until then it keeps the old version's inode
+    and accepts that version's handles, so a getattr or open of such an inode
+    answers ESTALE: what an NFS server holds of the old version turns stale
+    instead of reading the new version beside attributes it cached of the old.
+    Names looked up after the new generation was shown and before the refresh
+    listed its files got the new generation already, and are left out.
+    """
+
+    def __init__(self) -> None:
+        self._replaced: set[int] = set()
+        self._since_shown: set[int] | None = None  # looked up once the new generation was shown
+
+    def shown(self) -> None:
+        """A refresh's new generation is what lookups answer from now on."""
+        self._since_shown = set()
+
+    def replaced(self, inos: Iterable[int]) -> None:
+        """The files the refresh gave a new version; before the kernel is told to look them up again."""
+        self._replaced.update(ino for ino in inos if self._since_shown is None or ino not in self._since_shown)
+        self._since_shown = None
+
+    def told(self, ino: int) -> None:
+        """The kernel got this inode's current generation (a lookup or readdirplus answered), or forgot it."""
+        if self._since_shown is not None:
+            self._since_shown.add(ino)
+        self._replaced.discard(ino)
+
+    def __contains__(self, ino: int) -> bool:
+        return ino in self._replaced
+
+
 class CachefsOperations(pyfuse3.Operations):
     """Serves lookups from the namespace and reads through the reader."""
 
@@ -169,6 +205,7 @@ class CachefsOperations(pyfuse3.Operations):
         self._handles = handles
         self._cached_handles: set[int] = set()  # read through the kernel's page cache (PageCacheVersions)
         self._page_cache = PageCacheVersions()
+        self._replaced_in_kernel = ReplacedInKernel()
         self.initialized = False  # set once the kernel's FUSE_INIT was answered
 
     def init(self) -> None:
@@ -202,14 +239,44 @@ class CachefsOperations(pyfuse3.Operations):
         """Around a refresh's load and its telling the kernel what changed (PageCacheVersions)."""
         return self._page_cache.refreshing()
 
+    def generation_shown(self) -> None:
+        """A refresh's new generation was loaded; the kernel is told what changed next (tell_kernel)."""
+        if self._version_generations:
+            self._replaced_in_kernel.shown()
+
+    async def tell_kernel(self, changes: Changes) -> None:
+        """Make the kernel forget attributes, names and pages of what a new generation changed."""
+        if self._version_generations:
+            files = await trio.to_thread.run_sync(self._files_of_new_versions, changes)
+            self._replaced_in_kernel.replaced(files)  # before the names are forgotten: then lookups come
+
+        def invalidate() -> None:
+            for ino in changes.changed:
+                _forget_in_kernel(pyfuse3.invalidate_inode, ino)
+            for parent, name, ino in changes.removed:
+                _forget_in_kernel(pyfuse3.invalidate_entry, parent, name)
+                _forget_in_kernel(pyfuse3.invalidate_inode, ino)
+            for parent, name in changes.added:  # to be looked up again (NamespaceChanges.added)
+                _forget_in_kernel(pyfuse3.invalidate_entry, parent, name)
+
+        await trio.to_thread.run_sync(invalidate)
+
+    def _files_of_new_versions(self, changes: Changes) -> list[int]:
+        """Inodes of the files among the names to be looked up again (a worker thread: one index read each)."""
+        files = (self._namespace.lookup(parent, name) for parent, name in changes.added)
+        return [inode.ino for inode in files if inode is not None and inode.is_file]
+
     @_guarded
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
+        if inode in self._replaced_in_kernel:
+            raise pyfuse3.FUSEError(errno.ESTALE)
         return self._attributes(self._inode(inode))
 
     @_guarded
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
         parent = self._inode(parent_inode)
-        if name == b".":
+        if name == b".":  # a kernel handle of an inode it does not hold
+            self._replaced_in_kernel.told(parent.ino)
             return self._attributes(parent)
         if name == b"..":
             return self._attributes(self._inode(parent.parent))
@@ -220,6 +287,7 @@ class CachefsOperations(pyfuse3.Operations):
             attr.st_ino = 0
             attr.entry_timeout = self._attr_timeout_s
             return attr
+        self._replaced_in_kernel.told(child.ino)
         return self._attributes(child)
 
     @_guarded
@@ -240,6 +308,7 @@ class CachefsOperations(pyfuse3.Operations):
         for next_id, name, child in self._namespace.readdir(fh, start_id):
             if not pyfuse3.readdir_reply(token, name, self._attributes(child), next_id):
                 return
+            self._replaced_in_kernel.told(child.ino)
 
     @_guarded
     async def releasedir(self, fh: int) -> None:
@@ -278,6 +347,8 @@ class CachefsOperations(pyfuse3.Operations):
         entry = self._inode(inode)
         if not entry.is_file:
             raise pyfuse3.FUSEError(errno.EISDIR if entry.is_dir else errno.EINVAL)
+        if inode in self._replaced_in_kernel:
+            raise pyfuse3.FUSEError(errno.ESTALE)
         try:
             backing_id = self._passthrough.open(entry)
         except OpenInAnotherVersion as exc:
@@ -331,6 +402,10 @@ class CachefsOperations(pyfuse3.Operations):
         current = self._namespace.get(inode.ino)
         return current is None or current.version != inode.version
 
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        for ino, _lookups in inode_list:
+            self._replaced_in_kernel.told(ino)
+
     @_guarded
     async def release(self, fh: int) -> None:
         handle = self._handles.pop(fh)
@@ -342,7 +417,7 @@ class CachefsOperations(pyfuse3.Operations):
                 if self._page_cache.release(handle.inode, self._namespace.get(handle.inode.ino)):
                     # A read of it that ended short at its old end set the kernel's size back to the
                     # old version's: the next stat and open must ask for the current one.
-                    await trio.to_thread.run_sync(forget_in_kernel, _forget_attributes, handle.inode.ino)
+                    await trio.to_thread.run_sync(_forget_in_kernel, _forget_attributes, handle.inode.ino)
 
     # No `flush`: pyfuse3 answers the first FLUSH with ENOSYS and the kernel then
     # stops sending one on every close() (nothing here is ever dirty). That is a
