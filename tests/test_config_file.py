@@ -101,6 +101,36 @@ def test_passthrough_false_in_a_config_file_turns_it_off(tmp_path: Path) -> None
     config.write_text("passthrough = false\nallow_other = false\n")
     command_line = ["mount", "http://hub:8470", "/mnt", "--cache-dir", "/c", "--config", str(config)]
     argv = with_config_file(command_line, build_parser(), "mount")
-    assert argv[:2] == ["mount", "--no-passthrough"]  # allow_other = false: nothing to turn off
+    assert argv[:3] == ["mount", "--no-passthrough", "--no-allow-other"]
     assert build_parser().parse_args(argv).passthrough is False
     assert build_parser().parse_args(command_line).passthrough is None  # the default: on where possible
+
+
+def test_flags_turn_off_what_a_config_file_turns_on(hub, tmp_path: Path) -> None:
+    """allow_other, nfs_export, debug and refresh_interval set in a file: a --no- flag (a
+    refresh interval of 0) turns each off for one mount. On a real mount: --passthrough is
+    refused beside the file's nfs_export and taken with --no-nfs-export, and the file's
+    allow_other is not among the mount's options with --no-allow-other."""
+    from cachefs.cli.commands import build_parser
+    from cachefs.config_file import with_config_file
+
+    config = tmp_path / "cachefs.toml"
+    config.write_text("allow_other = true\nnfs_export = true\ndebug = true\nrefresh_interval = 60\n")
+    command_line = ["mount", "http://hub:8470", "/mnt", "--cache-dir", "/c", "--config", str(config)]
+    args = build_parser().parse_args(with_config_file(command_line, build_parser(), "mount"))
+    assert (args.allow_other, args.nfs_export, args.debug, args.refresh_interval) == (True, True, True, 60)
+    flags = ["--no-allow-other", "--no-nfs-export", "--no-debug", "--refresh-interval", "0"]
+    args = build_parser().parse_args(with_config_file([*command_line, *flags], build_parser(), "mount"))
+    assert (args.allow_other, args.nfs_export, args.debug, args.refresh_interval) == (False, False, False, 0)
+
+    config.write_text("nfs_export = true\nallow_other = true\n")
+    mountpoint = tmp_path / "refused"
+    mountpoint.mkdir()
+    refused = run_cachefs("mount", hub.url, mountpoint, "--cache-dir", tmp_path / "refused-cache", "--config", config,
+                          "--passthrough")
+    assert_clean_failure(refused, "--passthrough cannot be used with --nfs-export")
+    with mounted_spoke(hub.url, tmp_path, ("--config", str(config), "--no-nfs-export", "--passthrough",
+                                           "--no-allow-other", "--refresh-interval", "0")) as spoke:
+        options = [line.split(" - ")[1].split()[2] for line in Path("/proc/self/mountinfo").read_text().splitlines()
+                   if line.split()[4] == str(spoke.mountpoint)]  # the file system's options: user_id=...,allow_other
+        assert len(options) == 1 and "user_id=" in options[0] and "allow_other" not in options[0], options

@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mount.add_argument(
         "--refresh-interval", type=float, default=None, metavar="SECONDS",
-        help="move to the hub's newest snapshot automatically, checking this often (default: only on `cachefs refresh`)",
+        help="move to the hub's newest snapshot automatically, checking this often; 0 (a config file's off) or by "
+        "default: only on `cachefs refresh`",
     )
     mount.add_argument(
         "--manifest-wait", type=float, default=60.0, metavar="SECONDS",
@@ -127,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--mount-timeout", type=float, default=300.0, metavar="SECONDS", help="give up mounting after this long (default: 300)"
     )
     mount.add_argument(
-        "--allow-other", action="store_true",
+        "--allow-other", action=argparse.BooleanOptionalAction, default=False,
         help="let other local users read the mount (file modes from the hub still apply); default: only you",
     )
     mount.add_argument("--uid", metavar="USER", help="owner of every file and directory, a name or number (default: yours)")
@@ -151,13 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="read at most this many bytes per second when re-verifying, e.g. 64M (default: 64M)",
     )
     mount.add_argument(
-        "--nfs-export", action="store_true",
+        "--nfs-export", action=argparse.BooleanOptionalAction, default=False,
         help="for a mount served over NFS (`cachefs export`): a file changed by a refresh gets new file handles, its "
         "old ones answer ESTALE (so the daemon serves every read: no passthrough); default: files open before a "
         "refresh keep reading their version",
     )
     mount.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground and log to stderr")
-    mount.add_argument("--debug", action="store_true", help="verbose logging")
+    mount.add_argument("--debug", action=argparse.BooleanOptionalAction, default=False, help="verbose logging")
     mount.add_argument(
         "--config", type=Path, metavar="FILE",
         help="TOML file of mount options (keys as the long options: cache_dir, cache_size, ...); flags override it",
@@ -244,6 +245,8 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
         raise UsageError("--max-connections must be at least 1")
     if args.readahead_blocks < 0 or args.prefetch_siblings < 0:
         raise UsageError("--readahead-blocks and --prefetch-siblings must not be negative")
+    if args.refresh_interval == 0:  # off, as by default (a flag turning off a config file's)
+        args.refresh_interval = None
     for option in ("fetch_timeout", "refresh_interval", "manifest_wait", "mount_timeout", "reverify_interval"):
         _check_seconds(option, getattr(args, option))
     hub_url = parse_hub_url(args.hub_url)
