@@ -134,7 +134,8 @@ def ganesha_config(config: ExportConfig) -> str:
         f"Protocols = {protocols};",
         "Transports = TCP;",
         "SecType = sys;",
-        # The mount's files never change under an open handle: let clients cache attributes.
+        # Ganesha's own attribute cache: a file version's never change (a new version is a
+        # new handle); a directory's may show a refresh this much later.
         "Attr_Expiration_Time = 60;",
         f"CLIENT {{ Clients = {clients}; Access_Type = RO; }}",
         "FSAL { Name = VFS; }",
