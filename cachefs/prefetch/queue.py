@@ -33,12 +33,18 @@ class PrefetchQueue:
         self._stats = stats
         self._block_size = block_size
         self.nursery = nursery
-        self._queued: set[BlockKey] = set()  # asked for, not started yet
+        # Asked for, not started yet: the handle that asked (None: no handle's, a batch of small files).
+        # A closed handle's run fetches nothing, so its keys count as asked no more.
+        self._queued: dict[BlockKey, OpenFile | None] = {}
         self._runs = trio.CapacityLimiter(READAHEAD_RUNS_IN_FLIGHT)
 
     def asked(self, key: BlockKey) -> bool:
-        """Queued by read-ahead, in flight or cached."""
-        return key in self._queued or self._fetcher.in_flight_or_cached(key)
+        """Queued by read-ahead for a handle still open, in flight or cached."""
+        if key in self._queued:
+            handle = self._queued[key]
+            if handle is None or not handle.closed:
+                return True
+        return self._fetcher.in_flight_or_cached(key)
 
     def spawn(self, task: Callable[..., Awaitable[None]], *args: Any) -> None:
         """Start a read-ahead task in the background (see logging_failure)."""
@@ -54,21 +60,30 @@ class PrefetchQueue:
         keys = block_keys(handle.inode, first, stop)
         if all(self.asked(key) for key in keys):
             return False
-        self._queued.update(keys)
+        self._queue(keys, handle)
         self.spawn(self._fetch_run, handle, first, stop, keys)
         return True
 
     async def fetch_run(self, handle: OpenFile, first: int, stop: int) -> None:
         """Fetch blocks [first, stop) now (a fill's run, which has its own bound)."""
         keys = block_keys(handle.inode, first, stop)
-        self._queued.update(keys)
+        self._queue(keys, handle)
         await self._fetch_run(handle, first, stop, keys)
 
     def start_files(self, files: list[Inode]) -> None:
         """Queue read-ahead of whole small files with one batch request."""
         keys = [head_key(inode) for inode in files]
-        self._queued.update(keys)
+        self._queue(keys, None)
         self.spawn(self._fetch_files, files, keys)
+
+    def _queue(self, keys: list[BlockKey], handle: OpenFile | None) -> None:
+        self._queued.update(dict.fromkeys(keys, handle))
+
+    def _done(self, keys: list[BlockKey], handle: OpenFile | None) -> None:
+        """A run ended: those of `keys` still queued for `handle` are no more (another handle may have queued them since)."""
+        for key in keys:
+            if key in self._queued and self._queued[key] is handle:
+                del self._queued[key]
 
     @contextlib.asynccontextmanager
     async def _slot(self) -> AsyncIterator[None]:
@@ -92,7 +107,7 @@ class PrefetchQueue:
                     if not await self._fetcher.read_ahead(keys, run[0] * self._block_size, lengths):
                         log.debug("read-ahead of %s failed", keys[0])
         finally:
-            self._queued.difference_update(queued)
+            self._done(queued, handle)
 
     async def _fetch_files(self, files: list[Inode], queued: list[BlockKey]) -> None:
         """Fetch the small files of `files` (`queued`: their block 0, in order) that are neither
@@ -107,7 +122,7 @@ class PrefetchQueue:
                     if not await self._fetcher.read_ahead_files(keys, sizes):
                         log.debug("sibling prefetch of %d files failed", len(missing))
         finally:
-            self._queued.difference_update(queued)
+            self._done(queued, None)
 
 
 def block_keys(inode: Inode, first: int, stop: int) -> list[BlockKey]:

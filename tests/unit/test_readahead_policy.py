@@ -305,3 +305,32 @@ async def test_a_fill_keeps_the_same_bytes_in_flight_whatever_the_block_size(
         waves = sorted({request.at_s - started for request in fills})
         assert max(sum(request.lengths) for request in fills) == 256 * KiB
         assert sum(request.at_s - started == waves[0] for request in fills) == 8
+
+
+@pytest.mark.trio
+async def test_read_ahead_a_closed_handle_queued_is_asked_for_again_by_the_next_handle(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    """A loader opens a file, reads its head, closes it and opens it again while read-ahead's
+    slots are busy: the run queued for the first handle fetches nothing once it is closed,
+    so the second handle's read-ahead asks for those blocks itself."""
+    async with running_spoke(tmp_path, {"a.bin": os.urandom(64 * BLOCK)}, prefetch_connections=1) as spoke:
+        slot_busy, free_slot = trio.Event(), trio.Event()
+
+        async def hold_the_prefetch_slot() -> None:
+            async with spoke.fetcher.prefetch_slot(writer_backlog_below=1 << 20):
+                slot_busy.set()
+                await free_slot.wait()
+
+        spoke.nursery.start_soon(hold_the_prefetch_slot)
+        await slot_busy.wait()
+        first = spoke.open("a.bin")
+        for blockno in (0, 1):  # a stream from the first byte: read-ahead queues a run
+            assert await spoke.read(first, blockno * BLOCK, BLOCK) == spoke.block("a.bin", blockno)
+        first.closed = True  # as the FUSE release does
+        second = spoke.open("a.bin")
+        for blockno in (0, 1):
+            assert await spoke.read(second, blockno * BLOCK, BLOCK) == spoke.block("a.bin", blockno)
+        free_slot.set()
+        await trio.sleep(5)
+        assert max(spoke.blocks_asked("a.bin")) > 8, spoke.blocks_asked("a.bin")
