@@ -66,3 +66,49 @@ def test_a_victim_cached_again_in_the_same_batch_keeps_its_bytes(cache: BlockCac
     assert entry is not None and cache.read(old[0], entry) == b"\x01" * BLOCK  # not a hole
     assert not cache.contains(old[1]) and cache._stats.corrupt_blocks == 0
 
+
+
+def _counting_walks(cache: BlockCache, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Keys the eviction walks read from the index, one count per `oldest` call."""
+    read: list[int] = []
+    oldest = cache.index.oldest
+
+    def counted(*args: int) -> list[tuple[int, BlockKey]]:
+        found = oldest(*args)
+        read.append(len(found))
+        return found
+
+    monkeypatch.setattr(cache.index, "oldest", counted)
+    return read
+
+
+@pytest.mark.parametrize("kept", ["pinned", "held"])
+def test_eviction_passes_a_pinned_or_held_head_once_and_evicts_it_once_let_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kept: str
+) -> None:
+    """The oldest 2,000 blocks belong to a pinned file (or one the kernel reads directly):
+    50 insert batches that each evict read them from the index about once in all, not
+    once per batch (or, as a walk re-read the head for each batch of victims, quadratically).
+    Once unpinned or released, they are the first to go."""
+    head = 2000
+    with block_cache(tmp_path, (head + 4) * 512, BLOCK) as cache:
+        pinned_file = b"\x09" * 8
+        blocks = [(BlockKey(pinned_file, VERSION, blockno), b"p" * 512, False) for blockno in range(head)]
+        for start in range(0, head, 500):
+            assert cache.insert_many(blocks[start : start + 500]) == 500
+        if kept == "pinned":
+            cache.pin({pinned_file: head * 512})
+        else:
+            assert cache.hold(pinned_file, VERSION)
+        read = _counting_walks(cache, monkeypatch)
+        for batch in range(50):
+            other = (batch + 1).to_bytes(8, "big")
+            assert cache.insert_many([(BlockKey(other, VERSION, 0), b"o" * 512, True)]) == 1
+        assert sum(read) < 2 * head, f"{sum(read)} keys read in {len(read)} walks"
+        assert cache.contains(BlockKey(pinned_file, VERSION, 0))
+        if kept == "pinned":
+            cache.unpin([pinned_file])
+        else:
+            cache.unhold(pinned_file, VERSION)
+        assert cache.insert_many([(BlockKey(b"\x0a" * 8, VERSION, 0), b"n" * 512, True)]) == 1
+        assert not cache.contains(BlockKey(pinned_file, VERSION, 0))  # the oldest block went first

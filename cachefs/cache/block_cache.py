@@ -31,6 +31,7 @@ from .store import BlockStore, SealedDataFile
 log = logging.getLogger(__name__)
 
 VICTIM_BATCH = 64
+MAX_VICTIM_BATCH = 4096
 RESERVE_BYTES = 1 << 30
 _SIZE = struct.Struct(">Q")
 SKETCH_FILE = "policy.sketch"
@@ -127,6 +128,12 @@ class BlockCache:
         # File versions found changed on disk whose mark the index could not drop (its
         # commit failed): not verified, whatever the index says, until verified again.
         self._changed: set[tuple[bytes, bytes]] = set()
+        # Eviction's walk starts at _victim_floor: every block inserted before it was pinned
+        # or held when last walked. Pins are only lifted under the cache lock, which walks
+        # hold; a release lifts a hold at any time, so it counts in _unholds and a walk that
+        # saw the count change does not move the floor (see _victims).
+        self._victim_floor = 0
+        self._unholds = 0
         self._verify_small_files = False
 
     def verify_small_files_on_insert(self, on: bool) -> None:
@@ -321,19 +328,38 @@ class BlockCache:
         return admitted
 
     def _victims(self) -> Iterator[tuple[BlockKey, int]]:
-        """Unpinned cached blocks, oldest first, fetched lazily in batches."""
-        seen: set[BlockKey] = set()
+        """Unpinned, unheld cached blocks, oldest first (the cache lock held), read lazily in
+        batches, each from where the last one ended. Pinned or held blocks at the head of the
+        order are passed once: the floor moves past them for the next walks."""
+        with self._held_lock:
+            unholds = self._unholds
+        from_seq, limit, at_head = self._victim_floor, VICTIM_BATCH, True
         while True:
-            batch = [key for key in self.index.oldest(VICTIM_BATCH + len(seen)) if key not in seen]
+            batch = self.index.oldest(limit, from_seq)
             if not batch:
                 return
-            for key in batch:
-                seen.add(key)
+            limit = min(limit * 2, MAX_VICTIM_BATCH)  # fewer transactions past a long pinned head
+            for seq, key in batch:
                 if key.file_id in self._pins or (key.file_id, key.version) in self._held:
+                    from_seq = seq + 1
                     continue
                 entry = self.index.get(key)
-                if entry is not None:
-                    yield key, entry.length
+                if entry is None:
+                    from_seq = seq + 1
+                    continue
+                if at_head:
+                    at_head = False
+                    self._raise_floor(from_seq, unholds)
+                from_seq = seq + 1
+                yield key, entry.length
+            if at_head:
+                self._raise_floor(from_seq, unholds)
+
+    def _raise_floor(self, seq: int, unholds: int) -> None:
+        """Blocks inserted before `seq` were all pinned or held, unless a hold was lifted since the walk began."""
+        with self._held_lock:
+            if self._unholds == unholds:
+                self._victim_floor = max(self._victim_floor, seq)
 
     def _drop(self, key: BlockKey) -> bool:
         """Remove a block's entry (and its file's verified mark), then punch out
@@ -521,6 +547,8 @@ class BlockCache:
             self._held[(file_id, version)] -= 1
             if self._held[(file_id, version)] <= 0:
                 del self._held[(file_id, version)]
+                self._unholds += 1
+                self._victim_floor = 0  # its blocks may lie before the floor
 
     def _limit_bytes(self, *, fresh: bool = True) -> int:
         """The capacity (with other tenants on the cache dir, this one's allowance: `fresh`, also
@@ -632,6 +660,8 @@ class BlockCache:
             for file_id in file_ids:
                 found += bool(txn.delete(file_id))
                 self._pins.pop(file_id, None)
+            if found:
+                self._victim_floor = 0  # their blocks may lie before the floor
         return found
 
     def pinned_bytes(self) -> int:

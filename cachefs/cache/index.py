@@ -145,15 +145,18 @@ class BlockIndex:
             value = txn.get(file_id + version)
         return _parse_verified(value)[0] if value is not None else None
 
-    def oldest(self, limit: int) -> list[BlockKey]:
-        """Up to `limit` keys in insertion order, oldest first."""
-        keys: list[BlockKey] = []
+    def oldest(self, limit: int, from_seq: int = 0) -> list[tuple[int, BlockKey]]:
+        """Up to `limit` (seq, key) in insertion order, oldest first, from insertion number `from_seq` on."""
+        found: list[tuple[int, BlockKey]] = []
         with self._db.env.begin(db=self._db.fifo) as txn:
-            for _seq, packed in txn.cursor():
-                keys.append(BlockKey.unpack(packed))
-                if len(keys) >= limit:
+            cursor = txn.cursor()
+            if not cursor.set_range(_SEQ.pack(from_seq)):
+                return found
+            for seq, packed in cursor:
+                found.append((_SEQ.unpack(seq)[0], BlockKey.unpack(packed)))
+                if len(found) >= limit:
                     break
-        return keys
+        return found
 
     def iter_oldest(self) -> Generator[BlockKey, None, None]:
         """Every key in insertion order, oldest first, read as the caller goes (one read
