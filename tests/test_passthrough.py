@@ -37,6 +37,7 @@ from mount_helpers import (
 
 from cachefs.cache import BlockCache, BlockKey
 from cachefs.cache import block_cache as block_cache_module
+from cachefs.cache import store as store_module
 from cachefs.cache.block_cache import boot_id
 from cachefs.config import PassthroughMode
 from cachefs.fs import passthrough as passthrough_module
@@ -367,17 +368,22 @@ def test_a_verified_data_file_is_sealed_and_only_a_drop_unseals_it(cache: BlockC
 @pytest.mark.parametrize("small", [False, True], ids=["read back", "small file as inserted"])
 def test_a_block_dropped_while_its_file_is_sealed_leaves_the_file_unsealed(cache: BlockCache, small: bool) -> None:
     """The mark is committed, then the file sealed: a drop of one of its blocks in between
-    (the cache writer's eviction, a corrupt read) unseals it before the seal. The file must
-    end unsealed, so that the block can be cached again and the file verified again."""
+    (the cache writer's eviction, a corrupt read) unseals it before the seal, or (the cache
+    writer's own insert, during which a drop waits for the cache lock) right after it. The
+    file must end unsealed, so that the block can be cached again and the file verified again."""
     lengths = [100] if small else LENGTHS
     keys = [BlockKey(FILE_ID, VERSION, blockno) for blockno in range(len(lengths))]
     data = [bytes([blockno + 1]) * length for blockno, length in enumerate(lengths)]
     mark_verified, add = cache.index.mark_verified, cache.index.add
+    droppers: list[threading.Thread] = []
 
     def then_dropped(commit: Callable[..., Any]) -> Callable[..., Any]:
         def commit_then_drop(*args: Any) -> Any:
             committed = commit(*args)
-            _in_another_thread(lambda: cache.remove(keys[0]))
+            dropper = threading.Thread(target=lambda: cache.remove(keys[0]))
+            dropper.start()
+            dropper.join(timeout=0.5)  # done now, unless it waits for the cache lock this thread holds
+            droppers.append(dropper)
             return committed
         return commit_then_drop
 
@@ -389,6 +395,8 @@ def test_a_block_dropped_while_its_file_is_sealed_leaves_the_file_unsealed(cache
         assert cache.insert_many([(key, block, False) for key, block in zip(keys, data, strict=True)]) == len(keys)
         cache.index.mark_verified = then_dropped(mark_verified)  # type: ignore[method-assign]
         assert cache.verify_files([(FILE_ID, VERSION, lengths)]) == {(FILE_ID, VERSION)}
+    for dropper in droppers:
+        dropper.join()
     cache.index.mark_verified, cache.index.add = mark_verified, add  # type: ignore[method-assign]
     assert not cache.verified(FILE_ID, VERSION)
     assert stat.S_IMODE(os.stat(cache.store.path(FILE_ID, VERSION)).st_mode) == 0o600
@@ -701,3 +709,35 @@ async def test_a_file_verified_while_it_waited_is_not_handed_to_a_worker_thread(
         nursery.cancel_scope.cancel()
     assert handed == []
     assert stats.verified_files == 0  # counted by the writer's path, not again here
+
+
+def test_a_corrupt_block_s_drop_and_a_new_write_of_it_never_leave_a_hole_behind_an_entry(
+    cache: BlockCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read finds a cached block corrupt and drops it (entry, unseal, then a hole punched)
+    while the cache writer caches the block again: the write waits for the whole drop, else
+    the drop punched out the new bytes behind the new entry."""
+    keys = _insert_file(cache)
+    assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == {(FILE_ID, VERSION)}
+    good = bytes([2]) * BLOCK
+    path = cache.store.path(FILE_ID, VERSION)
+    with open(path, "r+b") as data_file:  # root writes into a sealed file
+        data_file.seek(BLOCK)
+        data_file.write(b"\xff" * 16)
+    writer = threading.Thread(target=lambda: cache.insert_many([(keys[1], good, True)]))
+    punch_hole = store_module.punch_hole
+
+    def punch_while_the_writer_caches_it_again(fd: int, offset: int, length: int) -> None:
+        if writer.ident is None:
+            writer.start()
+            writer.join(timeout=0.5)  # the writer has the block cached again now, unless it waits for the drop
+        punch_hole(fd, offset, length)
+
+    monkeypatch.setattr(store_module, "punch_hole", punch_while_the_writer_caches_it_again)
+    entry = cache.entry(keys[1])
+    assert entry is not None and cache.read(keys[1], entry) is None  # found corrupt, dropped
+    writer.join()
+    entry = cache.entry(keys[1])
+    assert entry is not None, "the writer's block is cached"
+    data = cache.read(keys[1], entry)
+    assert data is not None and bytes(data) == good

@@ -207,11 +207,12 @@ class BlockCache:
         """Bytes [start, stop) of a block, chunk-aligned, checked against their chunk sums; a bad block is dropped."""
         data = self._read_intact(key, entry, start, stop, nowait, from_disk=from_disk)
         if data is None:
-            if not self._still_indexed(key, entry):
-                return None  # evicted (or replaced) while it was being read: a plain miss
-            log.warning("cached %s is missing or corrupt; dropping it", key)
-            self._stats.corrupt_blocks += 1
-            self.remove(key)
+            with self._lock:  # a write of the same block must not fall between the drop's commit and its punch
+                if not self._still_indexed(key, entry):
+                    return None  # evicted (or replaced) while it was being read: a plain miss
+                log.warning("cached %s is missing or corrupt; dropping it", key)
+                self._stats.corrupt_blocks += 1
+                self._drop(key)
             return None
         return data
 
@@ -421,7 +422,9 @@ class BlockCache:
         return max(0, self._limit_bytes(fresh=False) - self.index.used_bytes())
 
     def remove(self, key: BlockKey) -> None:
-        self._drop(key)
+        """Drop a block (any thread but one holding the cache lock), serialised with the cache's writes."""
+        with self._lock:
+            self._drop(key)
 
     # -- whole files for the kernel (FUSE passthrough) ----------------------------
 
