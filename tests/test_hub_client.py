@@ -17,7 +17,7 @@ import trio
 from hub_helpers import read_request_head
 
 from cachefs.config import parse_hub_url
-from cachefs.errors import HubError, HubProtocolError, HubUnavailable, RemoteFileChanged
+from cachefs.errors import HubError, HubProtocolError, HubStatusError, HubUnavailable, RemoteFileChanged
 from cachefs.fetch.hub_client import HubClient
 from cachefs.namespace.snapshots import download_manifest
 
@@ -308,3 +308,77 @@ async def test_a_short_answer_after_a_block_on_the_same_connection_comes_at_once
         assert trio.current_time() - started < 1
     finally:
         await client.aclose()
+
+
+def _then(*steps: Body) -> Body:
+    async def run(stream: trio.SocketStream) -> None:
+        for step in steps:
+            await step(stream)
+
+    return run
+
+
+async def _pause(stream: trio.SocketStream) -> None:
+    await trio.sleep(0.2)
+
+
+async def _close(stream: trio.SocketStream) -> None:
+    await stream.send_eof()
+
+
+CLOSED_IDLE = b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+@pytest.mark.trio
+async def test_a_408_for_an_idle_connection_is_never_taken_for_the_next_answer(scripted_hub) -> None:
+    """A server may close an idle keep-alive connection with a 408 (RFC 9112 9.5), sent while
+    the client waits for nothing, or as the answer to the request it sends on it next: either
+    way the request goes out again on a new connection."""
+    url = scripted_hub([
+        (range_head(BLOCK), _then(sender(BLOCK), _pause, sender(CLOSED_IDLE), _close)),  # 408 while idle
+        (range_head(BLOCK), sender(BLOCK)),
+        (CLOSED_IDLE, _close),  # 408 as the answer to a request on a reused connection
+        (range_head(BLOCK), sender(BLOCK)),
+    ])
+    client = HubClient(parse_hub_url(url), max_connections=1, connect_timeout_s=5, read_timeout_s=3)
+    try:
+        for _ in range(3):
+            pieces, _sums = await client.get_range("f", "v", 0, [len(BLOCK)])
+            assert bytes(pieces[0]) == BLOCK
+            await trio.sleep(0.3)
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.trio
+async def test_interim_answers_before_the_answer_are_skipped(scripted_hub) -> None:
+    """100 Continue or 103 Early Hints from a proxy come before the real answer."""
+    url = scripted_hub([(b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n" + range_head(BLOCK), sender(BLOCK))])
+    client = HubClient(parse_hub_url(url), max_connections=1, connect_timeout_s=5, read_timeout_s=3)
+    try:
+        pieces, _sums = await client.get_range("f", "v", 0, [len(BLOCK)])
+        assert bytes(pieces[0]) == BLOCK
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.trio
+async def test_an_unexpected_answer_is_read_only_as_far_as_its_error_message(scripted_hub) -> None:
+    """A proxy that drops Range answers 200 with the whole file, and one in trouble answers with
+    an HTML page: the error quotes the start of the body on one line, without reading the rest
+    (which here never ends), so it comes at once."""
+    page = b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n\t<body>bad gateway</body>\r\n</html>\r\n"
+
+    async def page_then_more(stream: trio.SocketStream) -> None:
+        await stream.send_all(page * 200)
+        await trio.sleep_forever()
+
+    url = scripted_hub([(b"HTTP/1.1 200 OK\r\nContent-Length: 1073741824\r\n\r\n", page_then_more)])
+    client = HubClient(parse_hub_url(url), max_connections=1, connect_timeout_s=5, read_timeout_s=3)
+    try:
+        with pytest.raises(HubStatusError) as error:
+            await client.get_range("f", "v", 0, [len(BLOCK)])
+    finally:
+        await client.aclose()
+    assert str(error.value).startswith("hub answered 200: <html> <head><title>502 Bad Gateway</title></head> <body>")
+    assert str(error.value).isprintable()

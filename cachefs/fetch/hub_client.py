@@ -12,6 +12,7 @@ import fcntl
 import json
 import logging
 import re
+import select
 import socket
 import ssl
 import sys
@@ -38,6 +39,7 @@ WAKE_BYTES = 1 << 20
 # A response head is read in small receives, so that little of the body
 # lands in h11's buffer (bodies of ranges bypass it).
 RECEIVE_HEAD_BYTES = 16 * 1024
+ERROR_BODY_BYTES = 4096  # of an unexpected answer, quoted in its error
 # A manifest entry is a path (PATH_MAX is 4 KiB, JSON may escape a byte in 6)
 # and, for a symlink, its target: a longer line is not a manifest.
 MAX_MANIFEST_LINE_BYTES = 1 << 20
@@ -193,6 +195,17 @@ class _Connection:
         if self._body_bypassed:
             return True
         return self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
+
+    def quiet(self) -> bool:
+        """Whether an idle keep-alive connection has nothing to read, as it should: not closed
+        by the server, nor holding bytes nobody asked for (a 408 sent before closing it, the
+        rest of an answer longer than it said). Plain TCP only; over TLS a reused
+        connection's failure or 408 sends its request again (HubClient._start)."""
+        if self._tcp is None:
+            return True
+        poller = select.poll()
+        poller.register(self._tcp.fileno(), select.POLLIN | select.POLLRDHUP)
+        return not poller.poll(0)
 
     def start_next_cycle(self) -> None:
         if self._body_bypassed:
@@ -412,8 +425,11 @@ class HubClient:
         return _RequestContext(self, self.url.prefix + target, extra_headers or [])
 
     async def _acquire(self) -> _Connection:
-        if self._idle:
-            return self._idle.pop()
+        while self._idle:
+            idle = self._idle.pop()
+            if idle.quiet():
+                return idle
+            await idle.aclose()
         try:
             with trio.fail_after(self._connect_timeout_s):
                 tcp = await trio.open_tcp_stream(self.url.host, self.url.port)
@@ -449,9 +465,13 @@ class HubClient:
                 await conn.send(request)
                 await conn.send(h11.EndOfMessage())
                 event = await conn.next_event(self._read_timeout_s, RECEIVE_HEAD_BYTES)
+                while isinstance(event, h11.InformationalResponse):  # 100 Continue, 103 Early Hints: the answer follows
+                    event = await conn.next_event(self._read_timeout_s, RECEIVE_HEAD_BYTES)
                 if not isinstance(event, h11.Response):
                     raise HubProtocolError(f"unexpected reply from hub: {type(event).__name__}")
                 self.answers += 1
+                if reused and event.status_code == 408:  # the server's word that it closed this idle connection
+                    raise HubUnavailable("hub closed an idle connection (408)")
             except Exception as exc:
                 await conn.aclose()
                 translated = _translate(exc, self.url)
@@ -477,17 +497,31 @@ class HubClient:
                 raise HubProtocolError(f"unexpected {type(event).__name__} in response body")
 
     async def _expect(self, response: _Response, conn: _Connection, status: int) -> None:
+        """Raise HubStatusError unless the answer has `status`, with the start of its body
+        (at most ERROR_BODY_BYTES read: a proxy that drops Range answers 200 with a whole
+        file; the connection is then closed, not reused)."""
         if response.status == status:
             return
         body = bytearray()
-        async for chunk in self._body(conn):
-            if len(body) < 4096:
-                body += chunk
+        while len(body) < ERROR_BODY_BYTES:
+            try:
+                event = await conn.next_event(self._read_timeout_s)
+            except Exception as exc:
+                raise _translate(exc, self.url) from None
+            if not isinstance(event, h11.Data):
+                break
+            body += event.data
         try:
-            message = json.loads(body).get("error", "")
+            message = str(json.loads(body).get("error", ""))
         except (ValueError, AttributeError):
-            message = body[:200].decode("utf-8", "replace")
-        raise HubStatusError(response.status, f"hub answered {response.status}: {message}".rstrip(": "))
+            message = bytes(body[:200]).decode("utf-8", "replace")
+        raise HubStatusError(response.status, f"hub answered {response.status}: {_one_line(message)}".rstrip(": "))
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    """`text` fit for one log line: control characters and runs of white space as one space."""
+    printable = "".join(char if char.isprintable() else " " for char in text)
+    return " ".join(printable.split())[:limit]
 
 
 def _inflated(inflater: Any, data: bytes) -> Iterator[bytes]:
