@@ -242,7 +242,7 @@ class MountConfig:
     max_connections: int = 64
     # A read that needs the hub fails with EIO within this long (plus up to a
     # second) without success, retries with backoff included, however many
-    # requests the kernel makes for it (fs/hub_silence.py): bounded, never a hang.
+    # requests the kernel makes for it (fs/failed_reads.py): bounded, never a hang.
     fetch_timeout_s: float = 30.0
     # TCP connect timeout for one attempt.
     connect_timeout_s: float = 5.0

@@ -36,7 +36,7 @@ from .errors import CacheDirInUse, CachefsError, UsageError
 from .fetch.fetcher import Fetcher
 from .fetch.hub_client import ClientOptions, HubClient
 from .fetch.tier_client import TierClient
-from .fs.hub_silence import HubSilence
+from .fs.failed_reads import FailedReads
 from .fs.mountpoints import find_mount
 from .fs.operations import CachefsOperations
 from .fs.passthrough import Passthrough
@@ -257,7 +257,7 @@ async def _serve(
                 handles,
                 passthrough,
                 stats,
-                HubSilence(lambda: client.answers),
+                FailedReads(lambda: client.answers),
                 ownership=Ownership(
                     uid=os.getuid() if config.uid is None else config.uid,
                     gid=os.getgid() if config.gid is None else config.gid,

@@ -40,6 +40,7 @@ _FORWARDED = ("Range", "Authorization", "Accept-Encoding")
 class FaultProxy:
     hub_url: str
     fault_rate: float
+    faults: tuple[str, ...] = FAULTS  # those to choose from
     stall_s: float = 1.0
     seed: int = 0
     enabled: bool = True
@@ -64,7 +65,7 @@ class FaultProxy:
             if self._rng.random() >= self.fault_rate:
                 self.counts["none"] += 1
                 return None
-            fault = self._rng.choice(FAULTS)
+            fault = self._rng.choice(self.faults)
             self.counts[fault] += 1
             return fault
 

@@ -42,7 +42,7 @@ from cachefs.errors import (
     HubUnavailable,
     RemoteFileChanged,
 )
-from cachefs.fs import hub_silence
+from cachefs.fs import failed_reads
 from cachefs.processes import wait_for_pid
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ def test_hub_down_fails_within_bound_and_recovers_without_remount(dataset: Path,
             except OSError as exc:
                 assert exc.errno == errno.EIO
             assert time.monotonic() - started < 2 + BOUND_MARGIN_S
-            time.sleep(hub_silence.FRESH_S)  # a hub back sooner finds that read's blocks failing at once
+            time.sleep(failed_reads.FRESH_S)  # a hub back sooner finds that read's blocks failing at once
             with running_hub(dataset, ["--listen", f"127.0.0.1:{port}"]):
                 relative = "shards/shard-001.bin"
                 assert read_uncached(spoke.mountpoint / relative) == (dataset / relative).read_bytes()
@@ -192,6 +192,21 @@ def test_hub_down_fails_within_bound_and_recovers_without_remount(dataset: Path,
             assert result.returncode == 0, result.stderr
             assert time.monotonic() - started < 15
             assert not is_mounted(spoke.mountpoint)
+
+
+@pytest.mark.parametrize("fault", ["error", "truncate"])
+def test_a_hub_answering_only_errors_fails_a_read_within_the_bound(dataset: Path, tmp_path: Path, fault: str) -> None:
+    """Every data request gets a 503 (or a body cut short): one read() of an uncached file
+    fails within --fetch-timeout and a second, though the kernel asks twice (its read-ahead
+    request, then the page its reader wants)."""
+    with running_hub(dataset) as hub, running_fault_proxy(hub.url, fault_rate=1.0, faults=(fault,)) as proxy:
+        with mounted_spoke(proxy.url, tmp_path, (*SPOKE_ARGS, "--fetch-timeout", "2")) as spoke:
+            started = time.monotonic()
+            with open(spoke.mountpoint / "shards/shard-001.bin", "rb", buffering=0) as uncached:
+                with pytest.raises(OSError) as failed:
+                    os.pread(uncached.fileno(), 4096, 0)
+            assert failed.value.errno == errno.EIO
+            assert time.monotonic() - started < 2 + BOUND_MARGIN_S
 
 
 def test_sigkill_in_the_middle_of_filling_leaves_a_consistent_cache(dataset: Path, tmp_path: Path) -> None:
@@ -293,7 +308,7 @@ def test_a_read_with_the_hub_down_fails_within_the_fetch_timeout(tmp_path: Path,
             # Back once every read of the outage has failed (the kernel's read-ahead requests too)
             # and was forgotten: a read of blocks whose read just failed, with the hub silent
             # since, fails at once.
-            outage_forgotten = started + OUTAGE_FETCH_TIMEOUT_S + BOUND_MARGIN_S + hub_silence.FRESH_S
+            outage_forgotten = started + OUTAGE_FETCH_TIMEOUT_S + BOUND_MARGIN_S + failed_reads.FRESH_S
             time.sleep(max(0.0, outage_forgotten - time.monotonic()))
             with contextlib.ExitStack() as restarted:
                 if outage == "killed":
@@ -307,32 +322,39 @@ F, V, OTHER_V = b"f" * 8, b"v" * 8, b"w" * 8
 
 def test_a_read_of_blocks_whose_read_just_failed_with_the_hub_silent_fails_at_once() -> None:
     answers = [0]
-    silence = hub_silence.HubSilence(lambda: answers[0])
+    silence = failed_reads.FailedReads(lambda: answers[0])
     silence.read_failed(F, V, range(0, 2), HubUnavailable("hub did not deliver block 1 within 5 s"), 0, 10.0)
     failed = silence.failure(F, V, range(1, 3), 10.01)
     assert isinstance(failed, HubUnavailable) and "hub did not deliver block 1 within 5 s" in str(failed)
     assert silence.failure(F, V, range(2, 3), 10.01) is None  # other blocks
     assert silence.failure(F, OTHER_V, range(0, 1), 10.01) is None  # another version
-    assert silence.failure(F, V, range(0, 1), 10.0 + hub_silence.FRESH_S) is None  # forgotten
+    assert silence.failure(F, V, range(0, 1), 10.0 + failed_reads.FRESH_S) is None  # forgotten
     assert silence.failure(F, V, range(0, 1), 9.9) is None  # a read already waiting when it failed
     answers[0] = 1
     assert silence.failure(F, V, range(0, 1), 10.01) is None  # the hub answered since
 
 
-@pytest.mark.parametrize("error, began, answers", [
-    (HubUnavailable("hub sent nothing for 15 s"), 3, 4),  # the hub answered other requests meanwhile
-    (HubStatusError(503, "hub answered 503"), 3, 3),
-    (HubProtocolError("block 2 failed its checksum"), 3, 3),
-    (RemoteFileChanged("file changed on the hub (412)"), 3, 3),
-    (FetchAbandoned("fetch was cancelled"), 3, 3),
+@pytest.mark.parametrize("error, began, answers, remembered", [
+    (HubUnavailable("hub sent nothing for 15 s"), 3, 4, True),  # a slow hub: retried until the timeout already
+    (HubStatusError(503, "hub answered 503"), 3, 4, True),
+    (HubProtocolError("block 2 failed its checksum"), 3, 4, True),
+    (RemoteFileChanged("file changed on the hub (412)"), 3, 3, False),  # ESTALE, at once anyway
+    (FetchAbandoned("fetch was cancelled"), 3, 3, False),  # its reader went away: no failure of the hub
 ])
-def test_only_reads_failed_for_a_silent_hub_are_remembered(error: HubError, began: int, answers: int) -> None:
-    silence = hub_silence.HubSilence(lambda: answers)
+def test_a_read_that_failed_whatever_the_hub_answered_fails_its_retry_at_once(
+    error: HubError, began: int, answers: int, remembered: bool
+) -> None:
+    """Not only for a silent hub: one that answers errors, cuts bodies short or is too slow had
+    its fetch retried until the fetch timeout, and the kernel's retry must not wait another."""
+    silence = failed_reads.FailedReads(lambda: answers)
     silence.read_failed(F, V, range(0, 1), error, began, 10.0)
-    assert silence.failure(F, V, range(0, 1), 10.01) is None
+    failed = silence.failure(F, V, range(0, 1), 10.01)
+    assert (failed is not None) == remembered
+    assert failed is None or str(error) in str(failed)
+    assert silence.failure(F, V, range(0, 1), 10.0 + failed_reads.FRESH_S) is None
 
 
 def test_failed_reads_remembered_are_bounded() -> None:
-    silence = hub_silence.HubSilence(lambda: 0, max_blocks=4)
+    silence = failed_reads.FailedReads(lambda: 0, max_blocks=4)
     silence.read_failed(F, V, range(0, 10), HubUnavailable("cannot connect"), 0, 10.0)
     assert [silence.failure(F, V, range(n, n + 1), 10.01) is not None for n in range(10)] == [False] * 6 + [True] * 4

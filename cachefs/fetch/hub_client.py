@@ -262,7 +262,7 @@ class HubClient:
         self._read_timeout_s = read_timeout_s
         self._slots = trio.Semaphore(max_connections)
         self._idle: list[_Connection] = []
-        self.answers = 0  # responses received: unchanged since a moment, the hub answered nothing (fs/hub_silence.py)
+        self.answers = 0  # responses received: unchanged since a moment, the hub answered nothing (fs/failed_reads.py)
         self._host_header = f"{url.host}:{url.port}".encode()
 
     async def aclose(self) -> None:

@@ -111,7 +111,7 @@ class TierClient(HubClient):
 
     @property
     def answers(self) -> int:
-        """Responses from the hub and from every node: unchanged, nothing upstream answered (hub_silence.py)."""
+        """Responses from the hub and from every node: unchanged, nothing upstream answered (failed_reads.py)."""
         return self._hub_answers + sum(node.answers for node in self._nodes)
 
     @answers.setter

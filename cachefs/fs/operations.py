@@ -28,7 +28,7 @@ from ..metrics import READ_DURATION, Stats
 from ..namespace.tree import KIND_DIR, KIND_FILE, Changes, Inode, Namespace
 from ..read.handles import OpenFiles
 from ..read.reader import Reader
-from .hub_silence import HubSilence
+from .failed_reads import FailedReads
 from .passthrough import Passthrough
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ class CachefsOperations(pyfuse3.Operations):
         handles: OpenFiles,
         passthrough: Passthrough,
         stats: Stats,
-        hub_silence: HubSilence,
+        failed_reads: FailedReads,
         *,
         ownership: Ownership,
         attr_timeout_s: float,
@@ -195,7 +195,7 @@ class CachefsOperations(pyfuse3.Operations):
         self._namespace = namespace
         self._reader = reader
         self._passthrough = passthrough
-        self._hub_silence = hub_silence
+        self._failed_reads = failed_reads
         self.enable_passthrough = passthrough.enabled  # read by pyfuse3 at FUSE_INIT (patched build)
         self.stats = stats
         self._ownership = ownership
@@ -381,11 +381,11 @@ class CachefsOperations(pyfuse3.Operations):
         inode = handle.inode
         block_size = self._reader.block_size
         blocks = range(off // block_size, (min(off + size, inode.size) + block_size - 1) // block_size)
-        failed = self._hub_silence.failure(inode.file_id, inode.version, blocks, started)
+        failed = self._failed_reads.failure(inode.file_id, inode.version, blocks, started)
         if failed is not None:  # the kernel asking again for pages whose read just failed: not a second wait
             log.error("cannot read %d bytes at %d of inode %d: %s", size, off, inode.ino, failed)
             raise pyfuse3.FUSEError(errno.EIO)
-        answers = self._hub_silence.answers()
+        answers = self._failed_reads.answers()
         try:
             return await self._reader.read(handle, off, size)
         except RemoteFileChanged as exc:
@@ -393,7 +393,7 @@ class CachefsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ESTALE) from None
         except HubError as exc:
             log.error("cannot read %d bytes at %d of inode %d: %s", size, off, inode.ino, exc)
-            self._hub_silence.read_failed(inode.file_id, inode.version, blocks, exc, answers, time.monotonic())
+            self._failed_reads.read_failed(inode.file_id, inode.version, blocks, exc, answers, time.monotonic())
             raise pyfuse3.FUSEError(errno.EIO) from None
         finally:
             READ_DURATION.observe(time.monotonic() - started)
