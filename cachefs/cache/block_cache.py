@@ -266,7 +266,7 @@ class BlockCache:
         for key, data in admitted:
             buffered = self.store.buffered(len(data))  # before the write, which may turn O_DIRECT off
             try:
-                self.store.write(key, data)
+                self._write_unless_verified(key, data)
             except SealedDataFile as exc:  # its verified bytes are on disk already
                 log.warning("not writing %s: %s", key, exc)
                 continue
@@ -289,6 +289,19 @@ class BlockCache:
         self._seal_verified([(key.file_id, key.version) for key in verified])
         self._stats.verified_files += len(verified)
         return len(written)
+
+    def _write_unless_verified(self, key: BlockKey, data: BlockData) -> None:
+        """Write a block into its data file, unless the file is sealed and verified. A sealed
+        file that is not verified (any more) is unsealed first: a crash between a drop's
+        commit and its unseal, or a reboot, left the seal of a verification that no longer
+        holds, and the file's missing blocks could otherwise never be cached again."""
+        try:
+            self.store.write(key, data)
+        except SealedDataFile:
+            if self.verified(key.file_id, key.version):
+                raise
+            self.store.unseal(key.file_id, key.version)
+            self.store.write(key, data)
 
     def _admit(
         self, blocks: list[tuple[BlockKey, BlockData, bool]], ahead: Container[BlockKey]
