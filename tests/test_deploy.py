@@ -397,7 +397,10 @@ def test_mount_helper_translates_fstab_options(tmp_path: Path) -> None:
     )
     assert not (tmp_path / "mnt").exists()
     for order, flag in ((["nopassthrough", "passthrough"], "--passthrough"),
-                        (["passthrough", "nopassthrough"], "--no-passthrough")):  # the last one wins
+                        (["passthrough", "nopassthrough"], "--no-passthrough"),
+                        (["allow_other", "noallow_other"], "--no-allow-other"),
+                        (["nonfs_export", "nfs_export"], "--nfs-export"),
+                        (["debug", "nodebug"], "--no-debug")):  # the last one wins
         result = run_helper("-f", "-v", "http://hub:8470", tmp_path / "mnt", "-o", ",".join(["cache_dir=/c", *order]))
         assert result.returncode == 0 and result.stdout.strip().endswith(f"--cache-dir /c {flag}"), result.stdout
 
