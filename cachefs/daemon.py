@@ -283,6 +283,8 @@ async def _serve(
             if config.refresh_interval_s:
                 nursery.start_soon(snapshots.poll, config.refresh_interval_s, refresh)  # cancels plans too
             nursery.start_soon(snapshots.drop_stale_blocks, cache)
+            if cache.crashed_before:
+                nursery.start_soon(_sweep_after_crash, cache)
             if behind:  # the hub's new manifest did not come in time for the mount
                 nursery.start_soon(_refresh_once_mounted, refresh)
             nursery.start_soon(_serve_fuse, nursery.cancel_scope)
@@ -299,6 +301,15 @@ async def _serve(
         cache.save_policy()
         share.note_used(cache.used_bytes(), cache.pinned_bytes())
         await client.aclose()
+        cache.close()  # after the cache writer's last batch, which its thread may still be writing
+
+
+async def _sweep_after_crash(cache: BlockCache) -> None:
+    """Free the disk space a crash of the last mount left outside the index (one line when done)."""
+    started = time.monotonic()
+    punched, removed = await trio.to_thread.run_sync(cache.sweep_after_crash)
+    log.info("the last mount of this cache did not end cleanly: %d unindexed blocks and %d data files without an "
+             "entry freed in %.1f s", punched, removed, time.monotonic() - started)
 
 
 async def _refresh_once_mounted(refresh: Callable[[], Awaitable[dict[str, Any]]]) -> None:

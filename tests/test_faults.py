@@ -236,6 +236,10 @@ def test_sigkill_in_the_middle_of_filling_leaves_a_consistent_cache(dataset: Pat
             stats = spoke.stats()
             assert stats["corrupt_blocks"] == 0  # no torn block was ever indexed
             assert cache_disk_bytes(cache_dir) >= stats["cached_bytes"]
+            deadline = time.monotonic() + 20  # the mount after a crash sweeps the cache in the background
+            while "did not end cleanly" not in spoke.log_text() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert "did not end cleanly" in spoke.log_text()
 
 
 def timed_failure(read: Callable[[], object]) -> tuple[float, int | None]:

@@ -3,6 +3,7 @@ a batch whose victim it caches again."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -112,3 +113,26 @@ def test_eviction_passes_a_pinned_or_held_head_once_and_evicts_it_once_let_go(
             cache.unhold(pinned_file, VERSION)
         assert cache.insert_many([(BlockKey(b"\x0a" * 8, VERSION, 0), b"n" * 512, True)]) == 1
         assert not cache.contains(BlockKey(pinned_file, VERSION, 0))  # the oldest block went first
+
+
+def test_after_a_crash_what_the_index_does_not_name_is_freed(tmp_path: Path) -> None:
+    """A mount that ended without closing the cache (SIGKILL) may have left a block written
+    whose entry was never committed, and a data file whose entries were dropped but which
+    was not removed yet: the next mount's sweep frees both and keeps every indexed block."""
+    keys = [BlockKey(FILE_ID, VERSION, blockno) for blockno in range(2)]
+    with block_cache(tmp_path, 64 * BLOCK, BLOCK) as cache:
+        assert not cache.crashed_before  # a new cache dir
+        assert cache.insert_many([(key, bytes([key.blockno + 1]) * BLOCK, False) for key in keys]) == 2
+        cache.store.write(BlockKey(FILE_ID, VERSION, 5), b"\x07" * BLOCK)  # written, never indexed
+        cache.store.write(BlockKey(NEXT_FILE_ID, VERSION, 0), b"\x08" * BLOCK)  # a file no entry names
+        cache.close()
+    with block_cache(tmp_path, 64 * BLOCK, BLOCK) as cache:
+        assert not cache.crashed_before  # closed: nothing to sweep
+    with block_cache(tmp_path, 64 * BLOCK, BLOCK) as cache:
+        assert cache.crashed_before  # the last one was never closed
+        assert cache.sweep_after_crash() == (1, 1)
+        assert cache.store.allocated_blocks(FILE_ID, VERSION) == {0, 1}
+        assert not os.path.exists(cache.store.path(NEXT_FILE_ID, VERSION))
+        for key in keys:
+            entry = cache.entry(key)
+            assert entry is not None and bytes(cache.read(key, entry) or b"") == bytes([key.blockno + 1]) * BLOCK

@@ -36,6 +36,7 @@ RESERVE_BYTES = 1 << 30
 _SIZE = struct.Struct(">Q")
 SKETCH_FILE = "policy.sketch"
 _STALE_CHECKED_FOR = "stale_checked_for"  # meta: see BlockCache.stale_checked_for
+_CLOSED = "closed"  # meta: "yes" once the last mount closed the cache (BlockCache.close), "no" while one has it open
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -135,6 +136,10 @@ class BlockCache:
         self._victim_floor = 0
         self._unholds = 0
         self._verify_small_files = False
+        # The last mount of this cache ended without `close` (a SIGKILL, a power loss): its data
+        # files may hold what the index does not name (see sweep_after_crash).
+        self.crashed_before = get_meta(db, _CLOSED) == "no"
+        put_meta(db, _CLOSED, "no")
 
     def verify_small_files_on_insert(self, on: bool) -> None:
         """Whether a small file (one short block: a short block 0 is its file's last) written
@@ -636,6 +641,40 @@ class BlockCache:
             self._unlinks += 1
             for keys in versions:
                 self.store.delete_version(keys[0].file_id, keys[0].version)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """At unmount, once nothing else writes: the next mount needs no sweep. Waits for a
+        batch the cache writer may still be writing (its task is gone, not its thread), at
+        most `timeout_s` (a disk that hangs: the next mount sweeps)."""
+        if not self._lock.acquire(timeout=timeout_s):
+            return
+        try:
+            put_meta(self._db, _CLOSED, "yes")
+        finally:
+            self._lock.release()
+
+    def sweep_after_crash(self) -> tuple[int, int]:
+        """Free what a crash left on disk that the index does not name (worker thread, in the
+        background): blocks written whose entries were never committed (the cache writer
+        writes, then commits) and data files without an entry (a drop commits, then removes).
+        One data file at a time under the cache lock, so no write of the cache goes on in it
+        meanwhile; verified and held files are left alone (every block of them is indexed).
+        Returns (blocks punched out, data files removed)."""
+        punched = removed = 0
+        for file_id, version in self.store.data_files():
+            with self._lock:
+                if self.verified(file_id, version) or (file_id, version) in self._held:
+                    continue
+                indexed = self.index.blocknos(file_id, version)
+                if not indexed:
+                    self._unlinks += 1
+                    self.store.delete_version(file_id, version)
+                    removed += 1
+                    continue
+                for blockno in sorted(self.store.allocated_blocks(file_id, version) - indexed):
+                    self.store.delete(BlockKey(file_id, version, blockno))
+                    punched += 1
+        return punched, removed
 
     def stale_checked_for(self) -> str | None:
         """The generation whose stale versions were last dropped completely (a mount that loaded

@@ -169,6 +169,10 @@ class BlockIndex:
         """Every cached block of a file (all versions), with its length."""
         return [(BlockKey.unpack(packed), IndexEntry.unpack(value).length) for packed, value in self._with_prefix(file_id)]
 
+    def blocknos(self, file_id: bytes, version: bytes) -> set[int]:
+        """The block numbers of a file version that have an entry."""
+        return {BlockKey.unpack(packed).blockno for packed, _value in self._with_prefix(file_id + version)}
+
     def page_in(self, file_id: bytes, version: bytes) -> int:
         """Read through a file version's entries (their pages come into the page
         cache); returns how many there are."""

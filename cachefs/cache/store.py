@@ -37,6 +37,7 @@ import mmap
 import os
 import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..buffers import BlockBuffers, Buffer, page_aligned, unfilled_buffer
@@ -287,6 +288,42 @@ class BlockStore:
             punch_hole(fd, key.blockno * self.block_size, self.block_size)
         except OSError as exc:
             log.warning("cannot free %s on disk: %s", key, exc)
+        finally:
+            os.close(fd)
+
+    def data_files(self) -> Iterator[tuple[bytes, bytes]]:
+        """(file id, version) of every data file on disk."""
+        for directory in sorted(self.data_dir.iterdir()):
+            if not directory.is_dir():
+                continue
+            for path in directory.iterdir():
+                name, _dash, version = path.name.partition("-")
+                try:
+                    file_id, version_bytes = bytes.fromhex(name), bytes.fromhex(version)
+                except ValueError:
+                    continue
+                if len(file_id) == 8 and len(version_bytes) == 8:
+                    yield file_id, version_bytes
+
+    def allocated_blocks(self, file_id: bytes, version: bytes) -> set[int]:
+        """Block numbers of a data file with bytes on disk (SEEK_DATA / SEEK_HOLE)."""
+        try:
+            fd = os.open(self.path(file_id, version), os.O_RDONLY)
+        except FileNotFoundError:
+            return set()
+        blocks: set[int] = set()
+        try:
+            offset = 0
+            while True:
+                try:
+                    start = os.lseek(fd, offset, os.SEEK_DATA)
+                except OSError as exc:  # ENXIO: no data past `offset`
+                    if exc.errno == errno.ENXIO:
+                        return blocks
+                    raise
+                stop = os.lseek(fd, start, os.SEEK_HOLE)
+                blocks.update(range(start // self.block_size, -(-stop // self.block_size)))
+                offset = stop
         finally:
             os.close(fd)
 
