@@ -4,6 +4,7 @@ a batch whose victim it caches again."""
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -136,3 +137,20 @@ def test_after_a_crash_what_the_index_does_not_name_is_freed(tmp_path: Path) -> 
         for key in keys:
             entry = cache.entry(key)
             assert entry is not None and bytes(cache.read(key, entry) or b"") == bytes([key.blockno + 1]) * BLOCK
+
+
+def test_a_block_evicted_while_it_is_read_is_a_miss_found_without_the_cache_lock(cache: BlockCache) -> None:
+    """The trio thread reads blocks; a miss because the block was evicted meanwhile must not
+    wait for the cache lock, which the cache writer holds through a whole batch."""
+    key = BlockKey(FILE_ID, VERSION, 0)
+    assert cache.insert_many([(key, b"\x01" * BLOCK, False)]) == 1
+    entry = cache.entry(key)
+    assert entry is not None
+    cache.remove(key)  # what an eviction does after the entry was looked up
+    results: list[object] = []
+    with cache._lock:  # a batch being written
+        reader = threading.Thread(target=lambda: results.append(cache.read(key, entry)))
+        reader.start()
+        reader.join(timeout=5)
+        assert not reader.is_alive(), "the read waited for the cache lock"
+    assert results == [None]

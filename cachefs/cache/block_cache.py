@@ -212,9 +212,11 @@ class BlockCache:
         """Bytes [start, stop) of a block, chunk-aligned, checked against their chunk sums; a bad block is dropped."""
         data = self._read_intact(key, entry, start, stop, nowait, from_disk=from_disk)
         if data is None:
+            if not self._still_indexed(key, entry):
+                return None  # evicted (or replaced) while it was being read: a plain miss, no wait for the lock
             with self._lock:  # a write of the same block must not fall between the drop's commit and its punch
                 if not self._still_indexed(key, entry):
-                    return None  # evicted (or replaced) while it was being read: a plain miss
+                    return None
                 log.warning("cached %s is missing or corrupt; dropping it", key)
                 self._stats.corrupt_blocks += 1
                 self._drop(key)
