@@ -65,6 +65,9 @@ IDLE_TRIM_S = 1.0
 SPARE_SLOT_S = 0.25
 # How often read-ahead blocks nobody read are looked at for their age limit (30 s by default).
 READ_AHEAD_EXPIRY_S = 5.0
+# Data files swept per worker-thread call after a crash: each holds the cache lock for one file,
+# and an unmount waits for at most one batch.
+SWEEP_BATCH_FILES = 256
 # A lock held by another tenant's liveness probe is free again within microseconds,
 # one held while another tenant reclaims this one's blocks within a second or so;
 # one held by a daemon is not within these 3 s.
@@ -283,7 +286,7 @@ async def _serve(
             if config.refresh_interval_s:
                 nursery.start_soon(snapshots.poll, config.refresh_interval_s, refresh)  # cancels plans too
             nursery.start_soon(snapshots.drop_stale_blocks, cache)
-            if cache.crashed_before:
+            if cache.sweep_due:
                 nursery.start_soon(_sweep_after_crash, cache)
             if behind:  # the hub's new manifest did not come in time for the mount
                 nursery.start_soon(_refresh_once_mounted, refresh)
@@ -305,10 +308,21 @@ async def _serve(
 
 
 async def _sweep_after_crash(cache: BlockCache) -> None:
-    """Free the disk space a crash of the last mount left outside the index (one line when done)."""
+    """Free the disk space a crash of an earlier mount left outside the index, SWEEP_BATCH_FILES
+    at a time (an unmount ends it between batches; the next mount sweeps again), one line when done."""
     started = time.monotonic()
-    punched, removed = await trio.to_thread.run_sync(cache.sweep_after_crash)
-    log.info("the last mount of this cache did not end cleanly: %d unindexed blocks and %d data files without an "
+    punched = removed = 0
+    try:
+        for directory in await trio.to_thread.run_sync(cache.store.data_dirs):
+            files = await trio.to_thread.run_sync(cache.store.data_files, directory)
+            for first in range(0, len(files), SWEEP_BATCH_FILES):
+                freed = await trio.to_thread.run_sync(cache.sweep_files, files[first : first + SWEEP_BATCH_FILES])
+                punched, removed = punched + freed[0], removed + freed[1]
+        await trio.to_thread.run_sync(cache.swept)
+    except (OSError, lmdb.Error) as exc:
+        log.warning("cannot sweep the cache after a crash (%s); the next mount tries again", exc)
+        return
+    log.info("a mount of this cache did not end cleanly: %d unindexed blocks and %d data files without an "
              "entry freed in %.1f s", punched, removed, time.monotonic() - started)
 
 

@@ -119,24 +119,35 @@ def test_eviction_passes_a_pinned_or_held_head_once_and_evicts_it_once_let_go(
 def test_after_a_crash_what_the_index_does_not_name_is_freed(tmp_path: Path) -> None:
     """A mount that ended without closing the cache (SIGKILL) may have left a block written
     whose entry was never committed, and a data file whose entries were dropped but which
-    was not removed yet: the next mount's sweep frees both and keeps every indexed block."""
+    was not removed yet: the next mount's sweep frees both and keeps every indexed block.
+    A sweep cut short (an unmount) is due again at the next mount."""
     keys = [BlockKey(FILE_ID, VERSION, blockno) for blockno in range(2)]
     with block_cache(tmp_path, 64 * BLOCK, BLOCK) as cache:
-        assert not cache.crashed_before  # a new cache dir
+        assert not cache.sweep_due  # a new cache dir
         assert cache.insert_many([(key, bytes([key.blockno + 1]) * BLOCK, False) for key in keys]) == 2
         cache.store.write(BlockKey(FILE_ID, VERSION, 5), b"\x07" * BLOCK)  # written, never indexed
         cache.store.write(BlockKey(NEXT_FILE_ID, VERSION, 0), b"\x08" * BLOCK)  # a file no entry names
         cache.close()
     with block_cache(tmp_path, 64 * BLOCK, BLOCK) as cache:
-        assert not cache.crashed_before  # closed: nothing to sweep
+        assert not cache.sweep_due  # closed: nothing to sweep
+    for _mount in ("crashed before", "closed, but its sweep was cut short"):
+        with block_cache(tmp_path, 64 * BLOCK, BLOCK) as cache:
+            assert cache.sweep_due
+            cache.close()
     with block_cache(tmp_path, 64 * BLOCK, BLOCK) as cache:
-        assert cache.crashed_before  # the last one was never closed
-        assert cache.sweep_after_crash() == (1, 1)
+        assert cache.sweep_due
+        files = [file for directory in cache.store.data_dirs() for file in cache.store.data_files(directory)]
+        assert sorted(files) == sorted([(FILE_ID, VERSION), (NEXT_FILE_ID, VERSION)])
+        assert cache.sweep_files(files) == (1, 1)
+        cache.swept()
         assert cache.store.allocated_blocks(FILE_ID, VERSION) == {0, 1}
         assert not os.path.exists(cache.store.path(NEXT_FILE_ID, VERSION))
         for key in keys:
             entry = cache.entry(key)
             assert entry is not None and bytes(cache.read(key, entry) or b"") == bytes([key.blockno + 1]) * BLOCK
+        cache.close()
+    with block_cache(tmp_path, 64 * BLOCK, BLOCK) as cache:
+        assert not cache.sweep_due
 
 
 def test_a_block_evicted_while_it_is_read_is_a_miss_found_without_the_cache_lock(cache: BlockCache) -> None:

@@ -37,6 +37,7 @@ _SIZE = struct.Struct(">Q")
 SKETCH_FILE = "policy.sketch"
 _STALE_CHECKED_FOR = "stale_checked_for"  # meta: see BlockCache.stale_checked_for
 _CLOSED = "closed"  # meta: "yes" once the last mount closed the cache (BlockCache.close), "no" while one has it open
+_SWEEP = "sweep"  # meta: "due" from a mount that found the last one crashed until its sweep is done
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -136,9 +137,12 @@ class BlockCache:
         self._victim_floor = 0
         self._unholds = 0
         self._verify_small_files = False
-        # The last mount of this cache ended without `close` (a SIGKILL, a power loss): its data
-        # files may hold what the index does not name (see sweep_after_crash).
-        self.crashed_before = get_meta(db, _CLOSED) == "no"
+        # The last mount of this cache ended without `close` (a SIGKILL, a power loss), or one
+        # before it did and its sweep was not done: its data files may hold what the index
+        # does not name (see sweep_files).
+        if get_meta(db, _CLOSED) == "no":
+            put_meta(db, _SWEEP, "due")
+        self.sweep_due = get_meta(db, _SWEEP) == "due"
         put_meta(db, _CLOSED, "no")
 
     def verify_small_files_on_insert(self, on: bool) -> None:
@@ -655,15 +659,16 @@ class BlockCache:
         finally:
             self._lock.release()
 
-    def sweep_after_crash(self) -> tuple[int, int]:
-        """Free what a crash left on disk that the index does not name (worker thread, in the
-        background): blocks written whose entries were never committed (the cache writer
-        writes, then commits) and data files without an entry (a drop commits, then removes).
-        One data file at a time under the cache lock, so no write of the cache goes on in it
-        meanwhile; verified and held files are left alone (every block of them is indexed).
-        Returns (blocks punched out, data files removed)."""
+    def sweep_files(self, files: Sequence[tuple[bytes, bytes]]) -> tuple[int, int]:
+        """Free what a crash left in these data files that the index does not name (worker
+        thread, in the background, a batch of a sweep at a time): blocks written whose
+        entries were never committed (the cache writer writes, then commits), and data files
+        without an entry (a drop commits, then removes). One data file at a time under the
+        cache lock, so no write of the cache goes on in it meanwhile; verified and held files
+        are left alone (every block of them is indexed). Returns (blocks punched out, data
+        files removed); `swept` once all of them are done."""
         punched = removed = 0
-        for file_id, version in self.store.data_files():
+        for file_id, version in files:
             with self._lock:
                 if self.verified(file_id, version) or (file_id, version) in self._held:
                     continue
@@ -677,6 +682,11 @@ class BlockCache:
                     self.store.delete(BlockKey(file_id, version, blockno))
                     punched += 1
         return punched, removed
+
+    def swept(self) -> None:
+        """Every data file was swept (sweep_files): the next mount needs no sweep unless this one crashes."""
+        put_meta(self._db, _SWEEP, "done")
+        self.sweep_due = False
 
     def stale_checked_for(self) -> str | None:
         """The generation whose stale versions were last dropped completely (a mount that loaded

@@ -37,7 +37,6 @@ import mmap
 import os
 import shutil
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 from ..buffers import BlockBuffers, Buffer, page_aligned, unfilled_buffer
@@ -291,19 +290,23 @@ class BlockStore:
         finally:
             os.close(fd)
 
-    def data_files(self) -> Iterator[tuple[bytes, bytes]]:
-        """(file id, version) of every data file on disk."""
-        for directory in sorted(self.data_dir.iterdir()):
-            if not directory.is_dir():
+    def data_dirs(self) -> list[Path]:
+        """The directories data files are spread over (by the first two hex digits of their file id)."""
+        return sorted(path for path in self.data_dir.iterdir() if path.is_dir())
+
+    @staticmethod
+    def data_files(directory: Path) -> list[tuple[bytes, bytes]]:
+        """(file id, version) of every data file in one of `data_dirs`."""
+        files = []
+        for path in directory.iterdir():
+            name, _dash, version = path.name.partition("-")
+            try:
+                file_id, version_bytes = bytes.fromhex(name), bytes.fromhex(version)
+            except ValueError:
                 continue
-            for path in directory.iterdir():
-                name, _dash, version = path.name.partition("-")
-                try:
-                    file_id, version_bytes = bytes.fromhex(name), bytes.fromhex(version)
-                except ValueError:
-                    continue
-                if len(file_id) == 8 and len(version_bytes) == 8:
-                    yield file_id, version_bytes
+            if len(file_id) == 8 and len(version_bytes) == 8:
+                files.append((file_id, version_bytes))
+        return files
 
     def allocated_blocks(self, file_id: bytes, version: bytes) -> set[int]:
         """Block numbers of a data file with bytes on disk (SEEK_DATA / SEEK_HOLE)."""
