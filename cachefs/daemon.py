@@ -240,11 +240,12 @@ async def _serve(
             async def refresh() -> dict[str, Any]:
                 # Plans resolved against the old snapshot end once the new one is loaded;
                 # those that started arriving after it was shown are kept.
-                def moved(generation: str) -> None:
-                    planner.cancel_all("the mount moved to a new snapshot", generation)
-                    operations.generation_shown()
-
-                return await snapshots.refresh(cache, operations.tell_kernel, moved, operations.refreshing)
+                return await snapshots.refresh(
+                    cache,
+                    operations.tell_kernel,
+                    lambda generation: planner.cancel_all("the mount moved to a new snapshot", generation),
+                    operations.refreshing,
+                )
 
             sections = {"training": planner.snapshot, "process": process_usage,
                         "tenants": lambda: share.snapshot(cache.used_bytes(), cache.pinned_bytes())}

@@ -16,7 +16,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import pyfuse3
@@ -61,14 +61,17 @@ def _guarded(handler: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _forget_in_kernel(invalidate: Callable[..., None], *args: Any) -> None:
+def _forget_in_kernel(invalidate: Callable[..., None], *args: Any) -> bool:
     """Tell the kernel to forget a name or an inode (pyfuse3.invalidate_*; a worker thread):
-    nothing if it did not know it."""
+    nothing if it did not know it. Returns whether it knew it."""
     try:
         invalidate(*args)
     except OSError as exc:  # ENOENT: the kernel did not know it, nothing to forget
         if exc.errno != errno.ENOENT:
             log.warning("cannot invalidate %s: %s", args, exc)
+            return True
+        return False
+    return True
 
 
 _forget_attributes = functools.partial(pyfuse3.invalidate_inode, attr_only=True)
@@ -143,31 +146,51 @@ class ReplacedInKernel:
     and accepts that version's handles, so a getattr or open of such an inode
     answers ESTALE: what an NFS server holds of the old version turns stale
     instead of reading the new version beside attributes it cached of the old.
-    Names looked up after the new generation was shown and before the refresh
-    listed its files got the new generation already, and are left out.
+    Only inodes the kernel held when the refresh told it are listed, and each
+    leaves at the kernel's next lookup or forget of it (bounded by the kernel's
+    inode cache). During a refresh, what the kernel was told is noted, so that
+    an inode it got the new version of before the refresh listed its files is
+    left out.
     """
 
     def __init__(self) -> None:
         self._replaced: set[int] = set()
-        self._since_shown: set[int] | None = None  # looked up once the new generation was shown
+        self._told: dict[int, bytes | None] | None = None  # during a refresh: version told, None if forgotten
 
-    def shown(self) -> None:
-        """A refresh's new generation is what lookups answer from now on."""
-        self._since_shown = set()
+    @contextlib.contextmanager
+    def refreshing(self) -> Iterator[None]:
+        """Around a refresh's load and its telling the kernel what changed."""
+        self._told = {}
+        try:
+            yield
+        finally:
+            self._told = None
 
-    def replaced(self, inos: Iterable[int]) -> None:
-        """The files the refresh gave a new version; before the kernel is told to look them up again."""
-        self._replaced.update(ino for ino in inos if self._since_shown is None or ino not in self._since_shown)
-        self._since_shown = None
+    def replaced(self, files: dict[int, bytes]) -> None:
+        """Files (inode -> new version) the refresh gave a new version that the kernel holds;
+        before the kernel is told to look them up again."""
+        told = self._told or {}
+        for ino, version in files.items():
+            if ino not in told or told[ino] not in (version, None):
+                self._replaced.add(ino)
 
-    def told(self, ino: int) -> None:
-        """The kernel got this inode's current generation (a lookup or readdirplus answered), or forgot it."""
-        if self._since_shown is not None:
-            self._since_shown.add(ino)
+    def told(self, ino: int, version: bytes) -> None:
+        """The kernel got this inode's current generation (a lookup or readdirplus answered)."""
+        if self._told is not None:
+            self._told[ino] = version
+        self._replaced.discard(ino)
+
+    def forgotten(self, ino: int) -> None:
+        """The kernel no longer holds the inode (FORGET), or the inode is gone from the namespace."""
+        if self._told is not None:
+            self._told[ino] = None
         self._replaced.discard(ino)
 
     def __contains__(self, ino: int) -> bool:
         return ino in self._replaced
+
+    def __len__(self) -> int:
+        return len(self._replaced)
 
 
 class CachefsOperations(pyfuse3.Operations):
@@ -235,36 +258,43 @@ class CachefsOperations(pyfuse3.Operations):
             attr.generation = int.from_bytes(inode.version[:4], "big")
         return attr
 
-    def refreshing(self) -> contextlib.AbstractContextManager[None]:
-        """Around a refresh's load and its telling the kernel what changed (PageCacheVersions)."""
-        return self._page_cache.refreshing()
-
-    def generation_shown(self) -> None:
-        """A refresh's new generation was loaded; the kernel is told what changed next (tell_kernel)."""
-        if self._version_generations:
-            self._replaced_in_kernel.shown()
+    @contextlib.contextmanager
+    def refreshing(self) -> Iterator[None]:
+        """Around a refresh's load and its telling the kernel what changed (PageCacheVersions, ReplacedInKernel)."""
+        with self._page_cache.refreshing(), self._replaced_in_kernel.refreshing():
+            yield
 
     async def tell_kernel(self, changes: Changes) -> None:
-        """Make the kernel forget attributes, names and pages of what a new generation changed."""
+        """Make the kernel forget attributes, names and pages of what a new generation changed.
+        Under --nfs-export the files of a new version the kernel holds are refused first
+        (ReplacedInKernel), before their names are forgotten: lookups come then."""
+        held = await trio.to_thread.run_sync(self._forget_changed_inodes, changes)
         if self._version_generations:
-            files = await trio.to_thread.run_sync(self._files_of_new_versions, changes)
-            self._replaced_in_kernel.replaced(files)  # before the names are forgotten: then lookups come
+            files = await trio.to_thread.run_sync(self._files_of_new_versions, changes, held)
+            self._replaced_in_kernel.replaced(files)
 
-        def invalidate() -> None:
-            for ino in changes.changed:
-                _forget_in_kernel(pyfuse3.invalidate_inode, ino)
+        def forget_names() -> None:
             for parent, name, ino in changes.removed:
                 _forget_in_kernel(pyfuse3.invalidate_entry, parent, name)
                 _forget_in_kernel(pyfuse3.invalidate_inode, ino)
             for parent, name in changes.added:  # to be looked up again (NamespaceChanges.added)
                 _forget_in_kernel(pyfuse3.invalidate_entry, parent, name)
 
-        await trio.to_thread.run_sync(invalidate)
+        await trio.to_thread.run_sync(forget_names)
+        for _parent, _name, ino in changes.removed:
+            self._replaced_in_kernel.forgotten(ino)
 
-    def _files_of_new_versions(self, changes: Changes) -> list[int]:
-        """Inodes of the files among the names to be looked up again (a worker thread: one index read each)."""
+    @staticmethod
+    def _forget_changed_inodes(changes: Changes) -> set[int]:
+        """Make the kernel forget the attributes and pages of changed inodes (a worker thread);
+        returns those it held."""
+        return {ino for ino in changes.changed if _forget_in_kernel(pyfuse3.invalidate_inode, ino)}
+
+    def _files_of_new_versions(self, changes: Changes, held: set[int]) -> dict[int, bytes]:
+        """Inode -> version of the files among the names to be looked up again whose inode the
+        kernel held (a worker thread: one index read each)."""
         files = (self._namespace.lookup(parent, name) for parent, name in changes.added)
-        return [inode.ino for inode in files if inode is not None and inode.is_file]
+        return {inode.ino: inode.version for inode in files if inode is not None and inode.is_file and inode.ino in held}
 
     @_guarded
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
@@ -276,7 +306,7 @@ class CachefsOperations(pyfuse3.Operations):
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
         parent = self._inode(parent_inode)
         if name == b".":  # a kernel handle of an inode it does not hold
-            self._replaced_in_kernel.told(parent.ino)
+            self._replaced_in_kernel.told(parent.ino, parent.version)
             return self._attributes(parent)
         if name == b"..":
             return self._attributes(self._inode(parent.parent))
@@ -287,7 +317,7 @@ class CachefsOperations(pyfuse3.Operations):
             attr.st_ino = 0
             attr.entry_timeout = self._attr_timeout_s
             return attr
-        self._replaced_in_kernel.told(child.ino)
+        self._replaced_in_kernel.told(child.ino, child.version)
         return self._attributes(child)
 
     @_guarded
@@ -308,7 +338,7 @@ class CachefsOperations(pyfuse3.Operations):
         for next_id, name, child in self._namespace.readdir(fh, start_id):
             if not pyfuse3.readdir_reply(token, name, self._attributes(child), next_id):
                 return
-            self._replaced_in_kernel.told(child.ino)
+            self._replaced_in_kernel.told(child.ino, child.version)
 
     @_guarded
     async def releasedir(self, fh: int) -> None:
@@ -404,7 +434,7 @@ class CachefsOperations(pyfuse3.Operations):
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, _lookups in inode_list:
-            self._replaced_in_kernel.told(ino)
+            self._replaced_in_kernel.forgotten(ino)
 
     @_guarded
     async def release(self, fh: int) -> None:
