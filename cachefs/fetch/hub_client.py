@@ -424,11 +424,12 @@ class HubClient:
     ) -> _RequestContext:
         return _RequestContext(self, self.url.prefix + target, extra_headers or [])
 
-    async def _acquire(self) -> _Connection:
+    async def _acquire(self) -> tuple[_Connection, bool]:
+        """A connection, and whether it is an idle one reused (else new)."""
         while self._idle:
             idle = self._idle.pop()
             if idle.quiet():
-                return idle
+                return idle, True
             await idle.aclose()
         try:
             with trio.fail_after(self._connect_timeout_s):
@@ -438,7 +439,7 @@ class HubClient:
             raise HubUnavailable(f"cannot connect to hub {self.url}: timed out") from None
         except OSError as exc:
             raise HubUnavailable(f"cannot connect to hub {self.url}: {exc.strerror or exc}") from None
-        return _Connection(stream)
+        return _Connection(stream), False
 
     async def _tls(self, tcp: trio.SocketStream) -> trio.SSLStream[trio.SocketStream]:
         assert self._ssl_context is not None
@@ -459,8 +460,7 @@ class HubClient:
         headers = [(b"Host", self._host_header), (b"Accept-Encoding", b"gzip"), *self._auth_header, *extra_headers]
         request = h11.Request(method="GET", target=target.encode(), headers=headers)
         while True:
-            reused = bool(self._idle)
-            conn = await self._acquire()
+            conn, reused = await self._acquire()
             try:
                 await conn.send(request)
                 await conn.send(h11.EndOfMessage())
