@@ -279,6 +279,9 @@ class CachefsOperations(pyfuse3.Operations):
                 _forget_in_kernel(pyfuse3.invalidate_inode, ino)
             for parent, name in changes.added:  # to be looked up again (NamespaceChanges.added)
                 _forget_in_kernel(pyfuse3.invalidate_entry, parent, name)
+            if self._version_generations:  # a new generation: to be looked up again too
+                for parent, name in changes.renewed:
+                    _forget_in_kernel(pyfuse3.invalidate_entry, parent, name)
 
         await trio.to_thread.run_sync(forget_names)
         for _parent, _name, ino in changes.removed:
@@ -291,9 +294,9 @@ class CachefsOperations(pyfuse3.Operations):
         return {ino for ino in changes.changed if _forget_in_kernel(pyfuse3.invalidate_inode, ino)}
 
     def _files_of_new_versions(self, changes: Changes, held: set[int]) -> dict[int, bytes]:
-        """Inode -> version of the files among the names to be looked up again whose inode the
-        kernel held (a worker thread: one index read each)."""
-        files = (self._namespace.lookup(parent, name) for parent, name in changes.added)
+        """Inode -> version of the files of a new version whose inode the kernel held (a worker
+        thread: one index read each)."""
+        files = (self._namespace.lookup(parent, name) for parent, name in changes.renewed)
         return {inode.ino: inode.version for inode in files if inode is not None and inode.is_file and inode.ino in held}
 
     @_guarded

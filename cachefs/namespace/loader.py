@@ -115,7 +115,7 @@ _ADDED = struct.Struct(">QI")  # parent, name length; the name follows
 
 
 def _write_changes(path: Path, changes: NamespaceChanges) -> dict[str, tuple[int, int]]:
-    """Write the three lists; returns each one's (offset, count)."""
+    """Write the four lists; returns each one's (offset, count)."""
     sections = {}
     with open(path, "wb") as out:
         sections["changed"] = (out.tell(), len(changes.changed))
@@ -124,9 +124,10 @@ def _write_changes(path: Path, changes: NamespaceChanges) -> dict[str, tuple[int
         sections["removed"] = (out.tell(), len(changes.removed))
         for parent, name, ino in changes.removed:
             out.write(_REMOVED.pack(parent, ino, len(name)) + name)
-        sections["added"] = (out.tell(), len(changes.added))
-        for parent, name in changes.added:
-            out.write(_ADDED.pack(parent, len(name)) + name)
+        for section, names in (("added", changes.added), ("renewed", changes.renewed)):
+            sections[section] = (out.tell(), len(names))
+            for parent, name in names:
+                out.write(_ADDED.pack(parent, len(name)) + name)
     return sections
 
 
@@ -187,6 +188,7 @@ class ChangesFile:
         self.changed = _records(path, sections["changed"], _read_changed)
         self.removed = _records(path, sections["removed"], _read_removed)
         self.added = _records(path, sections["added"], _read_added)
+        self.renewed = _records(path, sections["renewed"], _read_added)
 
     def discard(self) -> None:
         self._path.unlink(missing_ok=True)

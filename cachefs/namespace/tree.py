@@ -260,6 +260,9 @@ class Changes(Protocol):
     @property
     def added(self) -> Listing[tuple[int, bytes]]: ...  # (parent, name), see NamespaceChanges
 
+    @property
+    def renewed(self) -> Listing[tuple[int, bytes]]: ...  # (parent, name), see NamespaceChanges
+
     def discard(self) -> None: ...
 
 
@@ -270,9 +273,11 @@ class NamespaceChanges:
     changed: list[int] = dataclasses.field(default_factory=list)  # inodes whose attributes or content changed
     removed: list[tuple[int, bytes, int]] = dataclasses.field(default_factory=list)  # (parent, name, inode)
     # (parent, name) the kernel must look up again: new paths (it may hold a negative entry
-    # for them), paths whose kind changed (a file became a directory: a new kernel inode)
-    # and files of a new version (a new FUSE generation, which only a lookup tells it)
+    # for them) and paths whose kind changed (a file became a directory: a new kernel inode)
     added: list[tuple[int, bytes]] = dataclasses.field(default_factory=list)
+    # (parent, name) of files of a new version: with --nfs-export a new FUSE generation,
+    # which only a lookup tells the kernel
+    renewed: list[tuple[int, bytes]] = dataclasses.field(default_factory=list)
 
     def discard(self) -> None:
         """Nothing to remove: the lists go with the object."""
@@ -382,21 +387,17 @@ def _write_entries(txn: lmdb.Transaction, db: NamespaceDb, lines: Iterator[dict[
         old = txn.get(packed_ino, db=db.inodes)
         if old is not None and _without_position(old) != _without_position(packed):
             changes.changed.append(inode.ino)
-        if path != "" and not first_load and _looked_up_again(old, inode):
-            changes.added.append((inode.parent, name))
+        if path != "" and not first_load:
+            if old is None or _ATTRS.unpack_from(old)[0] != inode.kind:
+                changes.added.append((inode.parent, name))
+            elif inode.is_file and old[_ATTRS.size + 8 : _ATTRS.size + 16] != inode.version:
+                changes.renewed.append((inode.parent, name))
         txn.put(packed_ino, packed, db=db.inodes)
         file_bytes += inode.size if inode.is_file else 0
         entries += 1
     if entries == 0:
         raise HubProtocolError("manifest has no root entry")
     return entries, file_bytes, changes
-
-
-def _looked_up_again(old: bytes | memoryview | None, new: Inode) -> bool:
-    """Whether the kernel must look a name up again: new, of another kind, or a file's new version."""
-    if old is None or _ATTRS.unpack_from(old)[0] != new.kind:
-        return True
-    return new.is_file and old[_ATTRS.size + 8 : _ATTRS.size + 16] != new.version
 
 
 def _without_position(packed: bytes | memoryview) -> bytes:
