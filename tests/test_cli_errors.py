@@ -237,3 +237,15 @@ def test_a_token_to_tier_nodes_over_plain_http_is_warned_about(tmp_path: Path) -
     (warning,) = [line for line in result.stderr.splitlines() if "the hub token goes to" in line]
     assert f"goes to {node} unencrypted" in warning
     assert "spoke-token" not in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--fetch-timeout", "abc"], "cachefs mount: error: argument --fetch-timeout: invalid float value: 'abc'"),
+    (["--max-connections", "many"], "cachefs mount: error: argument --max-connections: invalid int value: 'many'"),
+    (["--no-such-option"], "cachefs: error: unrecognized arguments: --no-such-option (see cachefs --help)"),
+])
+def test_a_malformed_command_line_is_refused_in_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    """argparse's own errors too: one line (no usage block before it), exit code 2."""
+    result = run_cachefs("mount", "http://hub:8470", tmp_path, "--cache-dir", tmp_path / "cache", *args)
+    assert result.returncode == 2
+    assert_clean_failure(result, message)

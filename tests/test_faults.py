@@ -182,6 +182,8 @@ def test_hub_down_fails_within_bound_and_recovers_without_remount(dataset: Path,
             except OSError as exc:
                 assert exc.errno == errno.EIO
             assert time.monotonic() - started < 2 + BOUND_MARGIN_S
+            shown = run_cachefs("stats", spoke.mountpoint).stdout
+            assert any(line.split()[:3] == ["hub", "errors", "connection"] for line in shown.splitlines()), shown
             time.sleep(failed_reads.FRESH_S)  # a hub back sooner finds that read's blocks failing at once
             with running_hub(dataset, ["--listen", f"127.0.0.1:{port}"]):
                 relative = "shards/shard-001.bin"

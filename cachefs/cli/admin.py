@@ -228,6 +228,7 @@ def _stats(args: argparse.Namespace) -> int:
         ("fetched from hub", f"{format_size(stats['fetched_bytes'])} in {stats['fetches']} requests"),
         ("read-ahead fetches", str(stats["readahead_fetches"])),
         ("fetch retries", str(stats["fetch_retries"])),
+        ("hub errors", ", ".join(f"{kind} {count}" for kind, count in sorted(stats.get("hub_errors", {}).items())) or "0"),
         ("failed reads", str(stats["fetch_failures"])),
         ("corrupt blocks", str(stats["corrupt_blocks"])),
         ("evicted blocks", str(stats["evicted_blocks"])),

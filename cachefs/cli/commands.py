@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from .. import __version__
 from ..cache.store import can_free_space
@@ -49,8 +49,15 @@ EXIT_USAGE = 2  # argparse's exit code for a bad command line
 TOKEN_ENV = "CACHEFS_HUB_TOKEN"
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr (its subcommands' too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="cachefs",
         description="Read-through caching FUSE filesystem: mount a cachefs hub's dataset, "
         "keeping every block read on local disk.",
@@ -60,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     mount = commands.add_parser("mount", help="mount a hub's dataset (read-only)")
     mount.add_argument("hub_url", metavar="HUB_URL", help="the hub, e.g. http://hub.example:8470")
-    mount.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path, help="an existing empty directory")
+    mount.add_argument("mountpoint", metavar="MOUNTPOINT", type=Path,
+                       help="an existing directory (what it holds is hidden while mounted)")
     mount.add_argument("--cache-dir", required=True, type=Path,
                        help="where cached blocks and metadata live (made 0700; owned by the daemon's user), "
                             "on a local disk or tmpfs: network file systems and ramfs are refused")
