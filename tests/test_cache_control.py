@@ -159,7 +159,7 @@ def test_warm_then_hub_down_serves_every_warmed_byte(dataset: Path, tmp_path: Pa
             refused = run_cachefs("warm", spoke.mountpoint / "small", "--parallel", parallel)
             assert refused.returncode != 0 and refused.stderr == "cachefs: error: --parallel must be between 1 and 64\n"
         result = run_cachefs("warm", spoke.mountpoint / "small", spoke.mountpoint / "shards/shard-000.bin", "--parallel", "4")
-        assert result.returncode == 0, result.stderr
+        assert result.returncode == 0 and "warning" not in result.stderr, result.stderr  # it all fits: no warning
         assert "fetched from" in result.stdout
         hub.stop()
         warmed = [f"small/{p.relative_to(dataset / 'small')}" for p in (dataset / "small").rglob("*") if p.is_file()]
@@ -302,3 +302,13 @@ def test_operator_commands_reject_bad_paths(spoke: SpokeMount, tmp_path: Path) -
     outside = run_cachefs("evict", tmp_path)
     assert outside.returncode == 1 and "not inside a cachefs mount" in outside.stderr
     os.stat(spoke.mountpoint)  # the mount is still fine
+
+
+def test_a_warm_up_larger_than_the_cache_says_what_it_holds(dataset: Path, tmp_path: Path) -> None:
+    """Warming more than the cache can hold fetches it all, and says so: the cache keeps part."""
+    with running_hub(dataset) as hub, mounted_spoke(hub.url, tmp_path, (*PLAIN_ARGS, "--cache-size", "1M")) as spoke:
+        result = run_cachefs("warm", spoke.mountpoint / "shards")
+        assert result.returncode == 0, result.stderr
+        warnings = [line for line in result.stderr.splitlines() if line.startswith("cachefs: warning:")]  # after progress
+        assert len(warnings) == 1 and warnings[0].startswith("cachefs: warning: the cache holds "), result.stderr
+        assert "of the 5.2 MiB warmed: they do not fit" in warnings[0], warnings

@@ -160,6 +160,10 @@ def _warm(args: argparse.Namespace) -> int:
         print(f"cachefs: error: {result['failed_files']} files could not be fetched completely; "
               "run the command again to resume", file=sys.stderr)
         return 1
+    if result["cached_now_bytes"] < result["bytes_total"]:
+        print(f"cachefs: warning: the cache holds {format_size(result['cached_now_bytes'])} of the "
+              f"{format_size(result['bytes_total'])} warmed: they do not fit in it (--cache-size), "
+              "or other reads took the room", file=sys.stderr)
     return 0
 
 
