@@ -547,3 +547,17 @@ def test_entry_store_gives_back_the_disk_space_of_what_it_forgot(tmp_path: Path,
     assert list(store.entries(16 * 4096, len(values))) == values[16 * 4096 :]  # what is ahead reads back
     store.close()
     assert not spill.exists()
+
+
+def test_a_plan_may_name_a_file_through_a_symlink_in_the_snapshot(spoke: SpokeMount, dataset: Path) -> None:
+    """Datasets laid out as links to blobs (Hugging Face caches): a plan naming a link plans the
+    file it leads to, whose reads through the link it then follows to its end. A link to a
+    directory is no regular file."""
+    link = spoke.mountpoint / "link-to-shard"
+    with cachefs_plan.submit([(link, 0, 100)]) as plan:
+        assert plan.blocks == 1
+        with open(link, "rb") as through_the_link:
+            assert through_the_link.read(100) == (dataset / "shards/shard-000.bin").read_bytes()[:100]
+        wait_for_stats(spoke, lambda stats: stats["training"]["plans_active"] == 0)  # all its reads were seen
+    with pytest.raises(cachefs_plan.PlanError, match="not a regular file: link-to-dir"):
+        cachefs_plan.submit([(spoke.mountpoint / "link-to-dir", 0, 100)])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +12,7 @@ import trio
 
 from ..control.server import Lines
 from ..errors import CachefsError
-from ..namespace.tree import Inode, Namespace
+from ..namespace.tree import KIND_SYMLINK, Inode, Namespace
 from .plans import Plan
 
 # Plan lines carry up to a few thousand reads; a line that long is no plan.
@@ -21,6 +22,8 @@ MAX_LINE_BYTES = 8 << 20
 MAX_PLAN_USES = 1 << 27
 # Block uses added between two looks at the event loop's other work: about a millisecond.
 USES_PER_CHECKPOINT = 4096
+# Symlinks followed in a row from a plan's file to the file it reads (the kernel's limit).
+MAX_SYMLINK_HOPS = 40
 # While a plan is being sent, the longest pause between two of its lines.
 LINE_TIMEOUT_S = 120.0
 
@@ -73,11 +76,29 @@ async def _add_files(plan: Plan, namespace: Namespace, paths: Any, directories: 
         inode = None
         if parent is not None and parent.is_dir:
             inode = namespace.lookup(parent.ino, os.fsencode(name)) if name not in ("", ".") else parent
+        if inode is not None and inode.kind == KIND_SYMLINK:
+            inode = _followed(namespace, path.strip("/"), inode)
         if inode is None:
             raise CachefsError(f"plan rejected: no such file in the mounted snapshot: {path or '/'}")
         if not inode.is_file:
             raise CachefsError(f"plan rejected: not a regular file: {path or '/'}")
         plan.add_file(inode)
+
+
+def _followed(namespace: Namespace, path: str, link: Inode) -> Inode | None:
+    """The entry a symlink at `path` leads to within the snapshot (datasets of links to blobs,
+    as Hugging Face caches lay them out), as reading through the mount finds it; only
+    relative targets, which stay inside the mount wherever it is mounted."""
+    inode: Inode | None = link
+    for _hop in range(MAX_SYMLINK_HOPS):
+        if inode is None or inode.kind != KIND_SYMLINK:
+            return inode
+        target = os.fsdecode(inode.target)
+        path = posixpath.normpath(posixpath.join(posixpath.dirname(path), target))
+        if target.startswith("/") or path == ".." or path.startswith("../"):
+            raise CachefsError(f"plan rejected: a symlink leads out of the snapshot: {target}")
+        inode = namespace.resolve(path)
+    raise CachefsError(f"plan rejected: more than {MAX_SYMLINK_HOPS} symlinks in a row: {path}")
 
 
 async def _add_reads(plan: Plan, reads: Any) -> None:
