@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import numbers
 import os
 import pickle
 import socket
@@ -174,7 +175,8 @@ def submit(reads: Iterable[Read], *, epoch: int | None = None, timeout_s: float 
     first = next(iterator, None)
     if first is None:
         raise PlanError("an empty plan: give at least one read (or use mark_epoch)")
-    return _submit(itertools.chain([first], iterator), find_mount(os.path.dirname(os.path.abspath(first[0])))[0],
+    path = os.fspath(_checked_read(first)[0])
+    return _submit(itertools.chain([first], iterator), find_mount(os.path.dirname(os.path.abspath(path)))[0],
                    epoch, timeout_s)
 
 
@@ -217,7 +219,8 @@ def _stream(sock: socket.socket, reads: Iterator[Read], mountpoint: str, mountpo
     directories: dict[str, str] = {}  # directory -> its path relative to the mountpoint
     new_files: list[str] = []
     batch: list[list[Any]] = []
-    for path, offset, length in reads:
+    for read in reads:
+        path, offset, length = _checked_read(read)
         index = by_name.get(path)
         if index is None:
             name = os.fspath(path)
@@ -234,12 +237,35 @@ def _stream(sock: socket.socket, reads: Iterator[Read], mountpoint: str, mountpo
                 index = files[relative] = len(files)
                 new_files.append(relative)
             by_name[path] = index
-        batch.append([index, int(offset), None if length is None else int(length)])
+        batch.append([index, offset, length])
         if len(batch) >= READS_PER_LINE:
             _send(sock, {"files": new_files, "reads": batch})
             new_files, batch = [], []
     if batch or new_files:
         _send(sock, {"files": new_files, "reads": batch})
+
+
+def _checked_read(read: Any) -> tuple[str | os.PathLike[str], int, int | None]:
+    """One (path, offset, length) of a plan, or a PlanError that says what is wrong with it."""
+    try:
+        path, offset, length = read
+    except (TypeError, ValueError):
+        raise PlanError(f"a read is (path, offset, length), not {read!r:.100}") from None
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not isinstance(path, (str, os.PathLike)):
+        raise PlanError(f"a read's path is a str or an os.PathLike, not {path!r:.100}")
+    if not _whole(offset) or (length is not None and not _whole(length)):
+        raise PlanError(f"a read's offset and length are whole numbers (length None: to the end), "
+                        f"not {offset!r:.40} and {length!r:.40}")
+    return path, int(offset), None if length is None else int(length)
+
+
+def _whole(number: Any) -> bool:
+    """An int (numpy's too), or a float without a fraction; never a bool."""
+    if isinstance(number, bool):
+        return False
+    return isinstance(number, numbers.Integral) or (isinstance(number, float) and number.is_integer())
 
 
 def _send(sock: socket.socket, message: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import random
+import re
 import socket
 import subprocess
 import time
@@ -561,3 +562,24 @@ def test_a_plan_may_name_a_file_through_a_symlink_in_the_snapshot(spoke: SpokeMo
         wait_for_stats(spoke, lambda stats: stats["training"]["plans_active"] == 0)  # all its reads were seen
     with pytest.raises(cachefs_plan.PlanError, match="not a regular file: link-to-dir"):
         cachefs_plan.submit([(spoke.mountpoint / "link-to-dir", 0, 100)])
+
+
+def test_a_malformed_read_or_epoch_is_a_plan_error_not_a_traceback(spoke: SpokeMount) -> None:
+    """The client API says what is wrong with a read in one PlanError (before: TypeError or
+    ValueError from deep inside it, or a misleading 'not inside a cachefs mount')."""
+    shard = spoke.mountpoint / "shards/shard-000.bin"
+    bad = [
+        ([str(shard)], "a read is (path, offset, length)"),  # a path where a read belongs
+        ([(shard, 0)], "a read is (path, offset, length)"),
+        ([(None, 0, 100)], "a read's path is a str or an os.PathLike"),
+        ([(shard, "ten", 100)], "a read's offset and length are whole numbers"),
+        ([(shard, float("nan"), 100)], "a read's offset and length are whole numbers"),
+        ([(shard, 0, 100), (shard, 0, "all")], "a read's offset and length are whole numbers"),
+    ]
+    for reads, message in bad:
+        with pytest.raises(cachefs_plan.PlanError, match=re.escape(message)):
+            cachefs_plan.submit(reads)
+    with cachefs_plan.submit([(os.fsencode(shard), 0, 100), (shard, 100.0, None)]) as plan:  # bytes paths, whole floats
+        assert plan.reads == 2
+    with pytest.raises(cachefs_plan.PlanError, match="epoch must be an integer from 0 to"):
+        cachefs_plan.submit([(shard, 0, 100)], epoch=2**70)

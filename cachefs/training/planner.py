@@ -85,6 +85,8 @@ log = logging.getLogger(__name__)
 
 PLANS_DIR = "plans"
 MAX_PLANS = 64
+# Epoch numbers stay exact as floats (Prometheus' cachefs_epoch gauge) and in JSON readers.
+MAX_EPOCH = (1 << 53) - 1
 # Entries indexed ahead of the tail for next-use lookups, shared by all
 # plans: up to ~180 bytes each (when every use is of another block), so
 # 512 K entries cost 90 MiB at most. Beyond the horizon a block counts as
@@ -376,8 +378,8 @@ class Planner:
         if len(self._plans) >= MAX_PLANS:
             raise CachefsError(f"too many plans at once (at most {MAX_PLANS}); close finished ones")
         epoch = request.get("epoch")
-        if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0):
-            raise CachefsError("epoch must be a non-negative integer")
+        if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch <= MAX_EPOCH):
+            raise CachefsError(f"epoch must be an integer from 0 to {MAX_EPOCH}")
         plan_id = self._next_id
         self._next_id += 1
         plan = Plan(plan_id, EntryStore(self._plans_dir / f"{plan_id}.entries"), self._block_size)
