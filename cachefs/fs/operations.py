@@ -63,7 +63,8 @@ def _guarded(handler: F) -> F:
 
 def _forget_in_kernel(invalidate: Callable[..., None], *args: Any) -> bool:
     """Tell the kernel to forget a name or an inode (pyfuse3.invalidate_*; a worker thread):
-    nothing if it did not know it. Returns whether it knew it."""
+    nothing if it did not know it. Returns whether it knew it (True also after another
+    error, logged: it may have)."""
     try:
         invalidate(*args)
     except OSError as exc:  # ENOENT: the kernel did not know it, nothing to forget
@@ -260,8 +261,11 @@ class CachefsOperations(pyfuse3.Operations):
 
     @contextlib.contextmanager
     def refreshing(self) -> Iterator[None]:
-        """Around a refresh's load and its telling the kernel what changed (PageCacheVersions, ReplacedInKernel)."""
-        with self._page_cache.refreshing(), self._replaced_in_kernel.refreshing():
+        """Around a refresh's load and its telling the kernel what changed (PageCacheVersions, and
+        under --nfs-export ReplacedInKernel: without generations nothing is refused, so nothing
+        the kernel is told needs noting)."""
+        noting = self._replaced_in_kernel.refreshing() if self._version_generations else contextlib.nullcontext()
+        with self._page_cache.refreshing(), noting:
             yield
 
     async def tell_kernel(self, changes: Changes) -> None:
