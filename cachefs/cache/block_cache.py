@@ -365,17 +365,15 @@ class BlockCache:
                 return
             limit = min(limit * 2, MAX_VICTIM_BATCH)  # fewer transactions past a long pinned head
             for seq, key in batch:
+                from_seq = seq + 1
                 if key.file_id in self._pins or (key.file_id, key.version) in self._held:
-                    from_seq = seq + 1
                     continue
                 entry = self.index.get(key)
                 if entry is None:
-                    from_seq = seq + 1
                     continue
                 if at_head:
                     at_head = False
-                    self._raise_floor(from_seq, unholds)
-                from_seq = seq + 1
+                    self._raise_floor(seq, unholds)
                 yield key, entry.length
             if at_head:
                 self._raise_floor(from_seq, unholds)
