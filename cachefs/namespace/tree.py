@@ -32,6 +32,8 @@ _KINDS = {"d": KIND_DIR, "f": KIND_FILE, "l": KIND_SYMLINK}
 
 _ATTRS = struct.Struct(">BHqQQI")  # kind, mode, mtime_ns, size, parent inode, position in parent
 _INO = struct.Struct(">Q")
+# A file's record: _ATTRS, its 8-byte hub id, its 8-byte version (_pack_inode).
+_FILE_ID, _VERSION = slice(_ATTRS.size, _ATTRS.size + 8), slice(_ATTRS.size + 8, _ATTRS.size + 16)
 _POS = struct.Struct(">I")
 
 
@@ -86,10 +88,9 @@ def _pack_inode(inode: Inode) -> bytes:
 
 def _unpack_inode(ino: int, data: bytes) -> Inode:
     kind, mode, mtime_ns, size, parent, position = _ATTRS.unpack_from(data)
-    rest = data[_ATTRS.size :]
     if kind == KIND_FILE:
-        return Inode(ino, kind, mode, mtime_ns, size, parent, position, rest[:8], rest[8:16])
-    return Inode(ino, kind, mode, mtime_ns, size, parent, position, target=bytes(rest))
+        return Inode(ino, kind, mode, mtime_ns, size, parent, position, data[_FILE_ID], data[_VERSION])
+    return Inode(ino, kind, mode, mtime_ns, size, parent, position, target=bytes(data[_ATTRS.size :]))
 
 
 class Namespace:
@@ -390,7 +391,7 @@ def _write_entries(txn: lmdb.Transaction, db: NamespaceDb, lines: Iterator[dict[
         if path != "" and not first_load:
             if old is None or _ATTRS.unpack_from(old)[0] != inode.kind:
                 changes.added.append((inode.parent, name))
-            elif inode.is_file and old[_ATTRS.size + 8 : _ATTRS.size + 16] != inode.version:
+            elif inode.is_file and old[_VERSION] != inode.version:
                 changes.renewed.append((inode.parent, name))
         txn.put(packed_ino, packed, db=db.inodes)
         file_bytes += inode.size if inode.is_file else 0
