@@ -90,7 +90,7 @@ def test_eviction_passes_a_pinned_or_held_head_once_and_evicts_it_once_let_go(
 ) -> None:
     """The oldest 2,000 blocks belong to a pinned file (or one the kernel reads directly):
     50 insert batches that each evict read them from the index about once in all, not
-    once per batch (or, as a walk re-read the head for each batch of victims, quadratically).
+    once per batch (nor once per batch of victims: quadratically).
     Once unpinned or released, they are the first to go."""
     head = 2000
     with block_cache(tmp_path, (head + 4) * 512, BLOCK) as cache:

@@ -746,8 +746,8 @@ def test_a_corrupt_block_s_drop_and_a_new_write_of_it_never_leave_a_hole_behind_
 def test_a_sealed_data_file_whose_verification_is_gone_takes_its_blocks_again(cache: BlockCache) -> None:
     """A crash between a drop's index commit and its unseal leaves a sealed data file whose
     blocks and mark are gone from the index: its blocks are cached again when fetched
-    again (before, every write was refused and the file read from the hub for good). A
-    verified file's stays refused."""
+    again, else the file would be read from the hub for good. A verified file's stays
+    refused."""
     keys = _insert_file(cache)
     assert cache.verify_files([(FILE_ID, VERSION, LENGTHS)]) == {(FILE_ID, VERSION)}
     assert cache.insert_many([(keys[0], bytes([1]) * BLOCK, True)]) == 0  # verified: refused

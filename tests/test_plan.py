@@ -565,8 +565,8 @@ def test_a_plan_may_name_a_file_through_a_symlink_in_the_snapshot(spoke: SpokeMo
 
 
 def test_a_malformed_read_or_epoch_is_a_plan_error_not_a_traceback(spoke: SpokeMount) -> None:
-    """The client API says what is wrong with a read in one PlanError (before: TypeError or
-    ValueError from deep inside it, or a misleading 'not inside a cachefs mount')."""
+    """The client API says what is wrong with a read in one PlanError, not a TypeError or
+    ValueError from deep inside it, nor a misleading 'not inside a cachefs mount'."""
     shard = spoke.mountpoint / "shards/shard-000.bin"
     bad = [
         ([str(shard)], "a read is (path, offset, length)"),  # a path where a read belongs
