@@ -583,3 +583,15 @@ def test_a_malformed_read_or_epoch_is_a_plan_error_not_a_traceback(spoke: SpokeM
         assert plan.reads == 2
     with pytest.raises(cachefs_plan.PlanError, match="epoch must be an integer from 0 to"):
         cachefs_plan.submit([(shard, 0, 100)], epoch=2**70)
+
+
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_a_plan_using_blocks_again_close_together_ends_when_read_in_its_order(tmp_path: Path, pieces: int) -> None:
+    rng = random.Random(8)
+    uses = [rng.randrange(64) for _ in range(2000)]  # many blocks used again within a few uses
+    plan = _plan_of(tmp_path, [0, 1, 0, 1, *uses])
+    for block in [0, 1, 0, 1, *uses]:
+        for _piece in range(pieces):  # one sample's read may reach the daemon in several FUSE reads
+            plan.hear(plan.block_key(block), reach=288)
+    assert plan.skipped_uses == 0 and plan.finished.is_set()
+    assert plan.matched_blocks == plan.store.length  # each use once: no piece was taken for a later use

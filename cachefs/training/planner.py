@@ -172,12 +172,11 @@ class Planner:
         reach = self.lookahead_blocks + MATCH_SLACK_ENTRIES
         fresh = matched = False
         for plan in self._plans.values():
-            if key in plan.recent:
+            heard = plan.hear(key, reach)
+            if heard is None:
                 continue
             fresh = True
-            plan.recent.append(key)
-            entry = plan.key_of(key)
-            if entry is not None and plan.observe(entry, reach):
+            if heard:
                 matched = True
                 self._learned_trail = max(self._learned_trail, plan.min_trail)
                 self._consumed_total += 1

@@ -78,7 +78,7 @@ class Plan:
         # Blocks this plan saw read last: one sample's read split into several
         # FUSE reads is one use. Per plan, so a read from before a plan began
         # (the previous epoch's last samples) never hides one of its uses.
-        self.recent: collections.deque[BlockKey] = collections.deque(maxlen=RECENT_BLOCKS)
+        self._recent: collections.deque[BlockKey] = collections.deque(maxlen=RECENT_BLOCKS)
         self.prefetched_blocks = self.used_blocks = self.wasted_blocks = self.matched_blocks = 0
         self.reported_used = self.reported_wasted = 0  # already added to the mount's counters
         self.skipped_uses = 0
@@ -179,6 +179,22 @@ class Plan:
         self.horizon = stop
 
     # -- following the readers ------------------------------------------------------------
+
+    def hear(self, key: BlockKey, reach: int) -> bool | None:
+        """A reader asks for block `key`: whether it matched a planned use, or None if it
+        is the use already heard (one sample's read split into several FUSE reads).
+
+        A block heard moments ago is heard again only when its next planned use is
+        already due (at or behind the head): the plan uses it twice close together,
+        and `add_read` merges only consecutive repeats.
+        """
+        entry = self.key_of(key)
+        if key in self._recent:
+            if entry is None or self.next_use.get(entry, self.head + 1) > self.head:
+                return None
+            self._recent.remove(key)
+        self._recent.append(key)
+        return entry is not None and self.observe(entry, reach)
 
     def observe(self, key: int, reach: int) -> bool:
         """A reader used block `key`: consume its next planned use if within `reach` of the frontier.
