@@ -204,19 +204,20 @@ async def _serve(
         index_db, config.cache_dir, config.cache_size_bytes, config.block_size_bytes, stats, advisor=plans, share=share,
         buffers=buffers,
     )
-    await trio.to_thread.run_sync(share.refresh, cache.used_bytes, cache.pinned_bytes(), cache.pressure)  # its bytes, published
-    fetcher = Fetcher(
-        client,
-        cache,
-        held,
-        claims,
-        stats,
-        budget=budget,
-        fetch_timeout_s=config.fetch_timeout_s,
-        prefetch_connections=prefetch_connections(config),
-    )
     mounted = False
-    try:
+    try:  # from here on the cache is closed however the mount ends, so the next one needs no sweep
+        # Its bytes, published for the cache dir's other tenants.
+        await trio.to_thread.run_sync(share.refresh, cache.used_bytes, cache.pinned_bytes(), cache.pressure)
+        fetcher = Fetcher(
+            client,
+            cache,
+            held,
+            claims,
+            stats,
+            budget=budget,
+            fetch_timeout_s=config.fetch_timeout_s,
+            prefetch_connections=prefetch_connections(config),
+        )
         async with trio.open_nursery() as nursery:
             await nursery.start(fetcher.run_writer)
             planner = Planner(namespace, cache, fetcher, held, plans, stats, budget=budget, cache_dir=config.cache_dir)
