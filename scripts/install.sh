@@ -68,7 +68,9 @@ systemd=$root/deploy/systemd
 
 if [ ! -x "$prefix/bin/python" ]; then
     echo "creating the virtualenv $prefix"
-    python3 -m venv "$prefix"
+    # The system's interpreter, not the first python3 on root's PATH (a pyenv or
+    # conda under /root would leave the cachefs user unable to run the hub).
+    "${PYTHON:-/usr/bin/python3}" -m venv "$prefix"
 fi
 if [ "$passthrough" = yes ]; then
     "$root/scripts/install_passthrough_fuse.sh" "$prefix"
