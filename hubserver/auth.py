@@ -50,8 +50,13 @@ MAX_TOKEN_CHARS: Final = 1024
 MAX_NAME_CHARS: Final = 64
 # A token file is a handful of lines; anything this large is a mistake.
 MAX_TOKEN_FILE_BYTES: Final = 1024 * 1024
-# Group and other may not have any access: the file holds secrets.
-_FORBIDDEN_MODE_BITS: Final = 0o077
+# Others may have no access: the file holds secrets. Nor may the group, unless
+# the file is owned by root or the hub and its group is one of the hub's and
+# may only read it: a Kubernetes Secret mounted with fsGroup is root:fsGroup
+# 0440 (PostgreSQL allows its key file the same way).
+_OTHERS_BITS: Final = 0o007
+_GROUP_BITS: Final = 0o070
+_GROUP_READ: Final = 0o040
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,9 +105,21 @@ def parse_tokens(text: str, source: str) -> tuple[Token, ...]:
     return tuple(tokens)
 
 
+def _check_private(path: Path, st: os.stat_result) -> None:
+    """Refuse a token file others may access, or a group other than the hub's own may read."""
+    mode = stat.S_IMODE(st.st_mode)
+    group_may_read = (mode & _GROUP_BITS) == _GROUP_READ and st.st_uid in (0, os.geteuid()) and (
+        st.st_gid == os.getegid() or st.st_gid in os.getgroups())
+    if mode & _OTHERS_BITS or (mode & _GROUP_BITS and not group_may_read):
+        raise TokenFileError(
+            f"token file {path} is accessible by others or by a group not the hub's own "
+            f"(mode {mode:04o}); run: chmod 600 {path}"
+        )
+
+
 def read_token_file(path: Path) -> tuple[Token, ...]:
-    """Read and parse a token file. Refuses one that group or others may
-    access. Raises TokenFileError. Blocking."""
+    """Read and parse a token file. Refuses one that others may access, or a group
+    other than the hub's own (_check_private). Raises TokenFileError. Blocking."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
     except OSError as exc:
@@ -111,11 +128,7 @@ def read_token_file(path: Path) -> tuple[Token, ...]:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise TokenFileError(f"token file {path} is not a regular file")
-        mode = stat.S_IMODE(st.st_mode)
-        if mode & _FORBIDDEN_MODE_BITS:
-            raise TokenFileError(
-                f"token file {path} is accessible by group or others (mode {mode:04o}); run: chmod 600 {path}"
-            )
+        _check_private(path, st)
         data = f.read(MAX_TOKEN_FILE_BYTES + 1)
     if len(data) > MAX_TOKEN_FILE_BYTES:
         raise TokenFileError(f"token file {path} is larger than {MAX_TOKEN_FILE_BYTES} bytes")

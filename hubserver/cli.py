@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="FILE",
         help="require 'Authorization: Bearer TOKEN' on every endpoint but /healthz and /metrics; "
-        "FILE has NAME:TOKEN lines (# comments), must not be accessible by group or others, "
+        "FILE has NAME:TOKEN lines (# comments), must not be accessible by others (its group may "
+        "only read it, and only if it is one of the hub's groups: a Kubernetes Secret with fsGroup), "
         "and is reloaded on SIGHUP (default: no authentication)",
     )
     security.add_argument(

@@ -12,11 +12,13 @@ import os
 import re
 import select
 import shutil
+import ssl
 import stat
 import subprocess
 import sys
 import textwrap
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -855,6 +857,48 @@ def test_kubernetes_settings_for_production() -> None:
     (hub_container,) = hub["spec"]["template"]["spec"]["containers"]
     for image, target in [(container["image"], "spoke"), (hub_container["image"], "hub")]:
         assert image.rsplit("/", 1)[1].split(":")[0] == f"cachefs-{target}" and target in targets, image
+
+
+@needs_root
+def test_the_kubernetes_hub_serves_only_token_holders_from_its_secrets_as_mounted(dataset: Path,
+                                                                                  tmp_path: Path) -> None:
+    """hub.yaml's container args, run here without capabilities in the pod's group, with its
+    Secrets' files as the kubelet mounts them (root:fsGroup, defaultMode 0440)."""
+    hub = find(kubernetes_objects(), "Deployment", "cachefs-hub")["spec"]["template"]["spec"]
+    (container,) = hub["containers"]
+    group = hub["securityContext"]["fsGroup"]
+    mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
+    secrets = {volume["name"]: volume["secret"] for volume in hub["volumes"] if "secret" in volume}
+    assert set(secrets) == {"tls", "tokens"}
+    token = "spokes-secret-" + "x" * 32
+    files = {"tls": {}, "tokens": {"hub.tokens": f"spokes-us-west-2:{token}\n"}}
+    subprocess.run([require_tool("openssl"), "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+                    "-nodes", "-days", "2", "-subj", "/CN=hub.example.internal", "-keyout", str(tmp_path / "tls.key"),
+                    "-out", str(tmp_path / "tls.crt")], check=True, capture_output=True, timeout=TOOL_TIMEOUT_S)
+    files["tls"] = {name: (tmp_path / name).read_text() for name in ("tls.crt", "tls.key")}
+    args = " ".join(container["args"]).replace("$(CACHEFS_HUB_ROOT)", str(dataset))
+    args = args.replace("$(CACHEFS_HUB_LISTEN)", "127.0.0.1:0")
+    for name, secret in secrets.items():
+        directory = tmp_path / name
+        directory.mkdir()
+        for file_name, text in files[name].items():
+            (directory / file_name).write_text(text)
+            os.chown(directory / file_name, 0, group)
+            os.chmod(directory / file_name, secret["defaultMode"])
+        args = args.replace(mounts[name] + "/", f"{directory}/")
+    assert args.split()[0] == "serve" and "--token-file" in args
+    wrapper = [require_tool("setpriv"), f"--regid={group}", f"--groups={group}", "--bounding-set=-all",
+               "--inh-caps=-all", "--no-new-privs"]
+    with running_hub(dataset, args.split()[1:], wrapper=wrapper) as running:
+        context = ssl.create_default_context(cafile=tmp_path / "tls.crt")
+        context.check_hostname = False
+        for headers, status in [({}, 401), ({"Authorization": f"Bearer {token}"}, 200)]:
+            request = urllib.request.Request(f"{running.url}/v1/manifest", headers=headers)
+            try:
+                with urllib.request.urlopen(request, timeout=30, context=context) as answer:
+                    assert answer.status == status
+            except urllib.error.HTTPError as exc:
+                assert exc.code == status
 
 
 def test_kubernetes_scrape_job_uses_the_alert_job_names() -> None:

@@ -356,7 +356,7 @@ def assert_one_line_error(result, *needles: str) -> None:
 @pytest.mark.parametrize(
     ("text", "mode", "needles"),
     [
-        (f"alice:{ALICE}\n", 0o644, ("accessible by group or others", "0644", "chmod 600")),
+        (f"alice:{ALICE}\n", 0o644, ("accessible by others or by a group", "0644", "chmod 600")),
         ("alice:short-secret\n", 0o600, ("line 1", "16 to 1024 characters")),
     ],
 )
@@ -371,8 +371,8 @@ def test_bad_token_file_is_one_line_error(tmp_path: Path, text: str, mode: int, 
 @pytest.mark.parametrize(
     ("text", "mode", "needles"),
     [
-        (f"alice:{ALICE}\n", 0o640, ("accessible by group or others",)),
-        (f"alice:{ALICE}\n", 0o602, ("accessible by group or others",)),
+        (f"alice:{ALICE}\n", 0o660, ("accessible by others or by a group",)),  # the group may write
+        (f"alice:{ALICE}\n", 0o602, ("accessible by others or by a group",)),
         ("# only a comment\n\n", 0o600, ("no NAME:TOKEN line",)),
         (f"# header\nalice {ALICE}\n", 0o600, ("line 2", "expected NAME:TOKEN")),
         (f"alice:{ALICE} extra\n", 0o600, ("line 1", "TOKEN must be")),
@@ -391,6 +391,17 @@ def test_token_file_errors_name_the_line_never_the_token(tmp_path: Path, text: s
     for needle in needles:
         assert needle in message
     assert ALICE not in message and BOB not in message
+
+
+def test_a_token_file_only_its_owner_and_the_hub_s_own_group_may_read_is_taken(tmp_path: Path) -> None:
+    """A Kubernetes Secret mounted with fsGroup is root:fsGroup 0440: the hub's group may read it."""
+    path = write_token_file(tmp_path / "tokens", f"alice:{ALICE}\n", 0o440)
+    assert os.stat(path).st_gid == os.getegid()
+    assert [token.name for token in read_token_file(path)] == ["alice"]
+    mine = {os.getegid(), *os.getgroups()}
+    os.chown(path, -1, next(gid for gid in range(60000, 65000) if gid not in mine))
+    with pytest.raises(TokenFileError, match="by a group not the hub's own"):
+        read_token_file(path)
 
 
 def test_token_file_accepts_comments_blank_lines_and_spaces(token_file: Path) -> None:
