@@ -42,18 +42,20 @@ def substitute_once(text: str, old: str, new: str) -> str:
     return text.replace(old, new)
 
 
-def render_config(hub: HubProcess, prefix: Path, port: int, edits: Sequence[tuple[str, str]] = ()) -> Path:
+def render_config(hub: HubProcess, prefix: Path, port: int, edits: Sequence[tuple[str, str]] = (),
+                  site: str | None = None) -> Path:
     """The shipped config with test addresses and paths (and `edits`: (old, new) fragments),
-    inside a minimal main config."""
-    site = SHIPPED_CONFIG.read_text()
+    inside a minimal main config. `site`: a config already made from the shipped one for
+    this hub (the Kubernetes tier's), given its cache path, port and log here."""
+    if site is None:
+        site = SHIPPED_CONFIG.read_text()
+        site = substitute_once(site, "server hub.example.internal:8470;", f"server {hub.host}:{hub.port};")
+        site = substitute_once(site, "access_log /var/log/nginx/cachefs-regional.access.log ", "access_log /dev/stdout ")
     site = substitute_once(site, "proxy_cache_path /var/cache/nginx/cachefs ", f"proxy_cache_path {prefix / 'cache'} ")
     for old, new in edits:
         site = substitute_once(site, old, new)
-    site = substitute_once(site, "server hub.example.internal:8470;", f"server {hub.host}:{hub.port};")
     site = substitute_once(site, "listen 8470;", f"listen 127.0.0.1:{port};")
-    site = substitute_once(
-        site, "access_log /var/log/nginx/cachefs-regional.access.log ", f"access_log {prefix / 'access.log'} "
-    )
+    site = substitute_once(site, "access_log /dev/stdout ", f"access_log {prefix / 'access.log'} ")
     (prefix / "regional-cache.conf").write_text(site)
     for temp in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
         (prefix / "temp" / temp).mkdir(parents=True, exist_ok=True)
@@ -104,13 +106,14 @@ class RegionalCache:
 
 
 @contextmanager
-def running_nginx(hub: HubProcess, prefix: Path, edits: Sequence[tuple[str, str]] = ()) -> Iterator[RegionalCache]:
-    """nginx with the rendered config, in the foreground, stopped (and its
+def running_nginx(hub: HubProcess, prefix: Path, edits: Sequence[tuple[str, str]] = (),
+                  site: str | None = None) -> Iterator[RegionalCache]:
+    """nginx with the rendered config (render_config), in the foreground, stopped (and its
     process group killed if need be) on leaving the block."""
     nginx = find_nginx()
     prefix.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    conf = render_config(hub, prefix, port, edits)
+    conf = render_config(hub, prefix, port, edits, site)
     base = [nginx, "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log")]
     check = subprocess.run([*base, "-t"], capture_output=True, text=True, timeout=30, check=False)
     assert check.returncode == 0, f"nginx -t rejected the rendered config:\n{check.stderr}"

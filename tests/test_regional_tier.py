@@ -19,6 +19,7 @@ import signal
 import stat
 import subprocess
 import threading
+import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,7 @@ import pytest
 import yaml
 from dataset import source_files
 from hub_helpers import HubProcess, fetch_manifest, running_hub, scrape_metrics, wait_until
-from mount_helpers import SpokeMount, mount_spoke, run_cachefs
+from mount_helpers import SpokeMount, mount_spoke, mounted_spoke, run_cachefs
 from nginx_helpers import SHIPPED_CONFIG, RegionalCache, running_nginx
 
 from cachefs.fetch.tier_client import slice_owners
@@ -280,9 +281,10 @@ def test_a_node_killed_in_the_middle_of_a_read_costs_no_failed_read(tier_dataset
             assert re.search(rf"^tier failovers +0 0, 1 {failovers['1']}, 2 0$", shown, re.MULTILINE), shown
 
 
-def test_the_kubernetes_tier_runs_the_shipped_config_with_its_three_values(tmp_path: Path) -> None:
-    """deploy/kubernetes/regional-tier: valid objects, and the container's command, run
-    here, turns the shipped nginx config into one with the hub, size and log it sets."""
+def test_the_kubernetes_tier_serves_a_spoke_from_an_https_hub_with_tokens(tier_dataset: Path, tmp_path: Path) -> None:
+    """deploy/kubernetes/regional-tier: valid objects, and the container's command, run here,
+    makes from the shipped nginx config one that reaches an HTTPS hub requiring tokens (as the
+    Kubernetes hub is), checks its certificate, and serves a spoke every file's bytes."""
     manifest = SHIPPED_CONFIG.parent.parent / "kubernetes" / "regional-tier" / "regional-tier.yaml"
     objects = [doc for doc in yaml.safe_load_all(manifest.read_text()) if doc]
     version = kubernetes_validate.utils.latest_version()
@@ -296,22 +298,41 @@ def test_the_kubernetes_tier_runs_the_shipped_config_with_its_three_values(tmp_p
     mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
     assert f"proxy_cache_path {mounts['cache']} " in SHIPPED_CONFIG.read_text()
     assert {claim["metadata"]["name"] for claim in statefulset["spec"]["volumeClaimTemplates"]} == {"cache"}
+    assert "listen 8470;" in SHIPPED_CONFIG.read_text() and any(p["containerPort"] == 8470 for p in container["ports"])
 
     env = {variable["name"]: variable["value"] for variable in container["env"]}
-    script = container["args"][0]
-    for name, value in env.items():
-        script = script.replace(f"$({name})", value)
-    script = script.replace(f"{mounts['nginx-config']}/regional-cache.conf", str(SHIPPED_CONFIG))
-    script = script.replace(f"{mounts['conf-d']}/", f"{tmp_path}/").replace("exec nginx -g 'daemon off;'", "true")
-    subprocess.run(["/bin/sh", "-c", script], check=True, timeout=30)
-    rendered = (tmp_path / "cachefs-regional.conf").read_text()
-    expected = SHIPPED_CONFIG.read_text()
-    for old, new in [
-        ("server hub.example.internal:8470;", f"server {env['CACHEFS_HUB_ADDRESS']};"),
-        ("max_size=2000g ", f"max_size={env['CACHEFS_TIER_MAX_SIZE']} "),
-        ("access_log /var/log/nginx/cachefs-regional.access.log ", "access_log /dev/stdout "),
-    ]:
-        assert expected.count(old) == 1, old
-        expected = expected.replace(old, new)
-    assert rendered == expected
-    assert "listen 8470;" in rendered and any(port["containerPort"] == 8470 for port in container["ports"])
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                    "-days", "2", "-subj", f"/CN={env['CACHEFS_HUB_TLS_NAME']}",
+                    "-addext", f"subjectAltName=DNS:{env['CACHEFS_HUB_TLS_NAME']}",
+                    "-keyout", str(secrets / "hub.key"), "-out", str(secrets / "hub.crt")],
+                   check=True, capture_output=True, timeout=60)
+    token = "tier-test-" + "t" * 32
+    for name, text in [("hub.tokens", f"spokes:{token}\n"), ("spoke.token", f"{token}\n")]:
+        (secrets / name).write_text(text)
+        (secrets / name).chmod(0o600)
+    assert env["CACHEFS_HUB_CA_FILE"].startswith(mounts["hub-ca"] + "/")
+    (tmp_path / "ca").mkdir()
+    (tmp_path / "ca" / env["CACHEFS_HUB_CA_FILE"].rsplit("/", 1)[1]).write_bytes((secrets / "hub.crt").read_bytes())
+    with running_hub(tier_dataset, ["--tls-cert", str(secrets / "hub.crt"), "--tls-key", str(secrets / "hub.key"),
+                                    "--token-file", str(secrets / "hub.tokens")]) as hub:
+        env["CACHEFS_HUB_ADDRESS"] = f"{hub.host}:{hub.port}"  # the hub as the cluster reaches it
+        script = container["args"][0]
+        for name, value in env.items():
+            script = script.replace(f"$({name})", value)
+        script = script.replace(f"{mounts['nginx-config']}/regional-cache.conf", str(SHIPPED_CONFIG))
+        script = script.replace(mounts["hub-ca"] + "/", f"{tmp_path / 'ca'}/")
+        script = script.replace(f"{mounts['conf-d']}/", f"{tmp_path}/").replace("exec nginx -g 'daemon off;'", "true")
+        subprocess.run(["/bin/sh", "-c", script], check=True, timeout=30)
+        rendered = (tmp_path / "cachefs-regional.conf").read_text()
+        assert "proxy_pass http://" not in rendered and rendered.count("proxy_pass https://cachefs_hub;") == 4
+        assert "\n    proxy_ssl_verify on;" in rendered and f"max_size={env['CACHEFS_TIER_MAX_SIZE']} " in rendered
+        with running_nginx(hub, tmp_path / "nginx", site=rendered) as node:
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(f"{node.url}/v1/manifest", timeout=30)
+            assert refused.value.code == 401  # the hub's answer, passed through
+            with mounted_spoke(node.url, tmp_path, ["--token-file", str(secrets / "spoke.token")]) as spoke:
+                for relative in source_files(tier_dataset):
+                    assert (spoke.mountpoint / relative).read_bytes() == (tier_dataset / relative).read_bytes()
+            assert " cache=MISS " in node.access_log() and "SSL" not in node.error_log()
