@@ -664,15 +664,18 @@ ALERT_TIMEOUT_S = 30.0
 
 
 @contextmanager
-def running_prometheus(workdir: Path, targets: dict[str, str]) -> Iterator[str]:
+def running_prometheus(workdir: Path, targets: dict[str, str], hub_ca: Path) -> Iterator[str]:
     """Debian's Prometheus on a loopback port with the shipped prometheus.yml
     and alerts.yml, scraping `targets` (job name -> host:port) every second
-    instead of the example hosts; yields its URL."""
+    instead of the example hosts, the hub's certificate checked against
+    `hub_ca`; yields its URL."""
     config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
     config["rule_files"] = [str(PROMETHEUS / name) for name in config["rule_files"]]
     for job in config["scrape_configs"]:
         job["static_configs"] = [{"targets": [targets[job["job_name"]]]}]
+        if "tls_config" in job:
+            job["tls_config"]["ca_file"] = str(hub_ca)
     assert {job["job_name"] for job in config["scrape_configs"]} == set(targets)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
@@ -727,12 +730,17 @@ def test_live_prometheus_fills_the_dashboard_and_alerts_on_a_failed_read(dataset
     while all is well, and the spoke's first failed read raises
     CachefsReadsFailing and CachefsFetchesGivenUp."""
     spoke_port = free_port()
-    args = ["--fetch-timeout", "1", "--prefetch-siblings", "0", "--metrics-listen", f"127.0.0.1:{spoke_port}"]
+    cert, key = tmp_path / "hub.crt", tmp_path / "hub.key"  # HTTPS, as operations.md sets the hub up
+    subprocess.run([require_tool("openssl"), "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+                    "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=TOOL_TIMEOUT_S)
+    args = ["--fetch-timeout", "1", "--prefetch-siblings", "0", "--metrics-listen", f"127.0.0.1:{spoke_port}",
+            "--ca-file", str(cert)]
     with (
-        running_hub(dataset) as hub,
+        running_hub(dataset, ["--tls-cert", str(cert), "--tls-key", str(key)]) as hub,
         mounted_spoke(hub.url, tmp_path, args) as spoke,
         running_prometheus(tmp_path / "prometheus", {"cachefs-hub": f"{hub.host}:{hub.port}",
-                                                     "cachefs-spoke": f"127.0.0.1:{spoke_port}"}) as prometheus,
+                                                     "cachefs-spoke": f"127.0.0.1:{spoke_port}"}, cert) as prometheus,
     ):
         with open(spoke.mountpoint / "shards/shard-000.bin", "rb") as shard:
             assert shard.read(10) == (dataset / "shards/shard-000.bin").read_bytes()[:10]
