@@ -16,6 +16,7 @@ from mount_helpers import SpokeMount, assert_clean_failure, daemon_pid, is_mount
 
 import cachefs
 from cachefs.fs.mountpoints import mount_of, network_file_system
+from cachefs.processes import wait_for_pid
 
 
 def test_hub_unreachable_at_mount(tmp_path: Path) -> None:
@@ -249,3 +250,22 @@ def test_a_malformed_command_line_is_refused_in_one_line(tmp_path: Path, args: l
     result = run_cachefs("mount", "http://hub:8470", tmp_path, "--cache-dir", tmp_path / "cache", *args)
     assert result.returncode == 2
     assert_clean_failure(result, message)
+
+
+def test_commands_on_a_hung_daemon_fail_in_bounded_time_and_unmount_still_works(hub, tmp_path: Path) -> None:
+    """A stopped (or hung) daemon never answers the stats attribute: `cachefs stats` and the
+    other commands say so within the attribute's timeout, and `cachefs unmount` unmounts anyway."""
+    with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS) as spoke:
+        assert spoke.pid is not None
+        os.kill(spoke.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert_clean_failure(run_cachefs("stats", spoke.mountpoint, timeout_s=30), "did not answer within")
+            assert time.monotonic() - started < 20
+            result = run_cachefs("unmount", spoke.mountpoint, timeout_s=30)
+            assert result.returncode == 0, result.stderr
+            assert "did not answer" in result.stdout
+            assert not is_mounted(spoke.mountpoint)
+        finally:
+            os.kill(spoke.pid, signal.SIGCONT)
+        assert wait_for_pid(spoke.pid, 15), "the daemon did not exit once it ran again"

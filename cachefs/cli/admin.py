@@ -7,6 +7,7 @@ import ipaddress
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,13 @@ from .export import (
 )
 
 STATS_XATTR = "user.cachefs.stats"
+# The attribute is answered by the daemon's event loop in milliseconds; a daemon that is
+# stopped or hung never answers, and the read would wait forever (FUSE has no timeout).
+STATS_XATTR_TIMEOUT_S = 10.0
+
+
+class DaemonNotAnswering(CachefsError):
+    """The mount's daemon did not answer the stats attribute in time (stopped or hung)."""
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -105,12 +113,26 @@ def cachefs_mount(path: Path) -> Path:
     return path
 
 
-def read_stats_xattr(mountpoint: Path) -> dict[str, Any]:
-    try:
-        stats: dict[str, Any] = json.loads(os.getxattr(mountpoint, STATS_XATTR))
-        return stats
-    except OSError as exc:
-        raise CachefsError(f"cannot reach the daemon of {mountpoint}: {exc.strerror}") from None
+def read_stats_xattr(mountpoint: Path, timeout_s: float = STATS_XATTR_TIMEOUT_S) -> dict[str, Any]:
+    """The daemon's stats attribute, read in a thread: a stopped or hung daemon never answers,
+    and a FUSE request cannot be given up on, so the command gives up on the thread instead."""
+    answer: dict[str, Any] = {}
+
+    def read() -> None:
+        try:
+            answer["value"] = os.getxattr(mountpoint, STATS_XATTR)
+        except OSError as exc:
+            answer["error"] = exc
+
+    reader = threading.Thread(target=read, name="stats-xattr", daemon=True)  # daemon: exit does not wait for it
+    reader.start()
+    reader.join(timeout_s)
+    if reader.is_alive():
+        raise DaemonNotAnswering(f"the daemon of {mountpoint} did not answer within {timeout_s:g} s (stopped or hung)")
+    if "error" in answer:
+        raise CachefsError(f"cannot reach the daemon of {mountpoint}: {answer['error'].strerror}")
+    stats: dict[str, Any] = json.loads(answer["value"])
+    return stats
 
 
 def _locate(path: Path) -> tuple[Path, str]:

@@ -521,13 +521,19 @@ def _setup_logging(debug: bool, log_path: Path | None) -> None:
 def _unmount(args: argparse.Namespace) -> int:
     _check_seconds("timeout", args.timeout)
     path = cli_admin.cachefs_mount(args.mountpoint)
+    answering = True
     try:
         pid: int | None = cli_admin.read_stats_xattr(path)["pid"]
+    except cli_admin.DaemonNotAnswering:
+        pid, answering = None, False  # stopped or hung: unmount without it, its pid unknown
     except CachefsError:
         pid = None  # daemon dead: a stale mount
     if pid is None:
+        # A lazy unmount: the request that went unanswered (this command's own, still in the
+        # kernel's queue) keeps the mount busy; the daemon exits once it runs again.
         lazy_unmount(path)
-        print(f"cachefs: removed stale mount {path}")
+        print(f"cachefs: removed stale mount {path}" if answering else
+              f"cachefs: detached {path}; its daemon did not answer (stopped or hung) and was not waited for")
         return 0
     result = subprocess.run(["fusermount3", "-u", str(path)], capture_output=True, text=True, timeout=60)
     if result.returncode != 0:
