@@ -312,3 +312,24 @@ def test_a_warm_up_larger_than_the_cache_says_what_it_holds(dataset: Path, tmp_p
         warnings = [line for line in result.stderr.splitlines() if line.startswith("cachefs: warning:")]  # after progress
         assert len(warnings) == 1 and warnings[0].startswith("cachefs: warning: the cache holds "), result.stderr
         assert "of the 5.2 MiB warmed: they do not fit" in warnings[0], warnings
+
+
+def test_pins_follow_a_refresh_removed_files_unpinned_changed_ones_counted_at_their_new_size(tmp_path: Path) -> None:
+    """A pin is by file id: after a refresh, a pinned file the hub removed is no longer pinned (no
+    path names it, so `cachefs unpin` could not reach it), and one that grew counts its new size."""
+    root = tmp_path / "root"
+    (root / "d").mkdir(parents=True)
+    (root / "d/removed.bin").write_bytes(os.urandom(3 * TEST_BLOCK_SIZE))
+    (root / "d/grows.bin").write_bytes(os.urandom(TEST_BLOCK_SIZE // 2))
+    with running_hub(root) as hub, mounted_spoke(hub.url, tmp_path, PLAIN_ARGS) as spoke:
+        assert run_cachefs("warm", "--pin", spoke.mountpoint / "d").returncode == 0
+        assert spoke.stats()["pinned_bytes"] == 3 * TEST_BLOCK_SIZE + TEST_BLOCK_SIZE // 2
+        (root / "d/removed.bin").unlink()
+        (root / "d/grows.bin").write_bytes(os.urandom(5 * TEST_BLOCK_SIZE))
+        with urllib.request.urlopen(urllib.request.Request(hub.url + "/v1/rescan", method="POST"), timeout=30):
+            pass
+        result = run_cachefs("refresh", spoke.mountpoint)
+        assert result.returncode == 0 and "1 removed" in result.stdout, result.stdout + result.stderr
+        assert spoke.stats()["pinned_bytes"] == 5 * TEST_BLOCK_SIZE
+        assert run_cachefs("unpin", spoke.mountpoint / "d").returncode == 0
+        assert spoke.stats()["pinned_bytes"] == 0

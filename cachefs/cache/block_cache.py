@@ -704,7 +704,10 @@ class BlockCache:
 
     def pin(self, files: dict[bytes, int]) -> None:
         """Keep these files (id -> size) out of eviction; refuse if they cannot all fit."""
-        with self._lock:
+        # Under the cache dir's admission lock, and published before it is released: another
+        # tenant pinning at the same moment sees these pins in its pin_limit (else both fit alone
+        # and together pin more than the shared size).
+        with self._lock, self._share.admitting() if self._share is not None else contextlib.nullcontext():
             wanted = sum(size for file_id, size in files.items() if file_id not in self._pins)
             limit = self.capacity_bytes if self._share is None else self._share.pin_limit()
             if self.pinned_bytes() + wanted > limit:
@@ -717,6 +720,8 @@ class BlockCache:
                 for file_id, size in files.items():
                     txn.put(file_id, _SIZE.pack(size))
             self._pins.update(files)
+            if self._share is not None:  # no batch is claimed meanwhile: inserts hold self._lock
+                self._share.note_used(self.index.used_bytes(), self.pinned_bytes())
 
     def unpin(self, file_ids: list[bytes]) -> int:
         """Let these files be evicted again; returns how many were pinned."""
@@ -728,6 +733,33 @@ class BlockCache:
             if found:
                 self._victim_floor = 0  # their blocks may lie before the floor
         return found
+
+    def repin(self, size_of: Callable[[bytes], int | None]) -> tuple[int, int]:
+        """Bring the pins to the loaded snapshot (worker thread; after a new one is loaded): a
+        pinned file it no longer has is unpinned (no path names it any more, so `cachefs unpin`
+        could not), a pinned file whose size changed counts its new size (its new version's blocks
+        are pinned too: a pin is by file id). Returns (unpinned, resized)."""
+        with self._lock, self._share.admitting() if self._share is not None else contextlib.nullcontext():
+            gone, resized = [], {}
+            for file_id, size in self._pins.items():
+                now = size_of(file_id)
+                if now is None:
+                    gone.append(file_id)
+                elif now != size:
+                    resized[file_id] = now
+            if not gone and not resized:
+                return 0, 0
+            with self._db.env.begin(db=self._db.pins, write=True) as txn:
+                for file_id in gone:
+                    txn.delete(file_id)
+                    del self._pins[file_id]
+                for file_id, size in resized.items():
+                    txn.put(file_id, _SIZE.pack(size))
+                    self._pins[file_id] = size
+            self._victim_floor = 0  # unpinned blocks may lie before the floor
+            if self._share is not None:
+                self._share.note_used(self.index.used_bytes(), self.pinned_bytes())
+        return len(gone), len(resized)
 
     def pinned_bytes(self) -> int:
         return sum(self._pins.values())

@@ -156,6 +156,10 @@ class Snapshots:
         unmount ends it between batches; what is left is dropped at the next
         mount (`generation` is recorded only once all are gone).
         """
+        unpinned, resized = await trio.to_thread.run_sync(cache.repin, self._namespace.file_size)
+        if unpinned or resized:
+            log.info("pins brought to generation %s: %d files it no longer has unpinned, %d resized",
+                     generation, unpinned, resized)
         stale = await trio.to_thread.run_sync(cache.stale_versions, self._namespace.file_version)
         in_use = self._open_versions()
         versions = [keys for keys in stale if (keys[0].file_id, keys[0].version) not in in_use]

@@ -134,6 +134,11 @@ class Namespace:
         inode = self._file(file_id)
         return inode.version if inode is not None else None
 
+    def file_size(self, file_id: bytes) -> int | None:
+        """The size of the file with this hub id in the loaded snapshot (None if absent)."""
+        inode = self._file(file_id)
+        return inode.size if inode is not None else None
+
     def _file(self, file_id: bytes) -> Inode | None:
         """The file with this hub id in the loaded snapshot (its inode number is its id)."""
         number = int.from_bytes(file_id, "big")

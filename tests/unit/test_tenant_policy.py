@@ -151,6 +151,16 @@ def test_pins_of_one_tenant_cannot_take_another_s_minimum(tmp_path: Path) -> Non
         pinner.pin({b"f" * 8: 3 * BLOCK})
 
 
+def test_pins_of_two_tenants_made_one_after_the_other_never_exceed_the_size(tmp_path: Path) -> None:
+    """A pin is published when it is made, not at the next refresh a second later: two tenants
+    pinning at about the same time (two `cachefs warm --pin`) cannot together pin more than the size."""
+    with tenant_cache(tmp_path, "a") as (a, _), tenant_cache(tmp_path, "b") as (b, _):
+        a.pin({b"p" * 8: 5 * BLOCK})
+        with pytest.raises(CachefsError, match="the other tenants' minimums and pins leave this one"):
+            b.pin({b"q" * 8: 5 * BLOCK})
+        b.pin({b"q" * 8: 3 * BLOCK})
+
+
 def test_an_unmounted_tenant_s_pins_count_against_minimums_and_pins_of_others(tmp_path: Path) -> None:
     """Reclaim never takes an unmounted tenant's pinned blocks: a minimum that does not fit
     beside them is refused at mount, and so are pins beyond what they leave."""
