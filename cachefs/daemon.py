@@ -248,9 +248,11 @@ async def _serve(
                     operations.refreshing,
                 )
 
-            sections = {"training": planner.snapshot, "process": process_usage,
-                        "tenants": lambda: share.snapshot(cache.used_bytes(), cache.pinned_bytes())}
-            admin = Admin(config, namespace, cache, fetcher, stats, refresh=refresh, sections=sections)
+            sections = {"training": planner.snapshot, "process": process_usage}
+            # Every tenant's name, pid and activity: not for everyone who may read the mount.
+            tenants = {"tenants": lambda: share.snapshot(cache.used_bytes(), cache.pinned_bytes())}
+            admin = Admin(config, namespace, cache, fetcher, stats, refresh=refresh, sections=sections,
+                          private_sections=tenants)
             await nursery.start(passthrough.run_verifier)
             if passthrough.enabled:
                 reverifier = Reverifier(cache, passthrough, fetcher, stats, interval_s=config.reverify_interval_s,

@@ -42,6 +42,7 @@ class Admin:
         *,
         refresh: Callable[[], Awaitable[dict[str, Any]]] | None = None,
         sections: dict[str, Callable[[], dict[str, Any]]] | None = None,
+        private_sections: dict[str, Callable[[], dict[str, Any]]] | None = None,
     ) -> None:
         self._config = config
         self._namespace = namespace
@@ -49,8 +50,10 @@ class Admin:
         self._fetcher = fetcher
         self._stats = stats
         self._refresh = refresh  # moves the mount to the hub's current generation
-        # Other components' numbers, each under its name in every stats snapshot (the planner's).
+        # Other components' numbers, each under its name in every stats snapshot (the planner's);
+        # the private ones (other tenants' activity) only for the control socket's callers.
         self._sections = dict(sections or {})
+        self._private_sections = dict(private_sections or {})
 
     def handlers(self) -> dict[str, Handler]:
         return {
@@ -86,13 +89,14 @@ class Admin:
     async def stats(self, request: dict[str, Any], progress: Progress) -> dict[str, Any]:
         """The snapshot; `detailed`: with the usage per top-level directory, counted in a worker
         thread (it goes through the whole block index: on a large cache, seconds)."""
-        result = self.snapshot()
+        result = self.snapshot(private=True)
         if request.get("detailed"):
             result["usage_by_top_level_bytes"] = await trio.to_thread.run_sync(self._usage_by_top_level)
         return result
 
-    def snapshot(self) -> dict[str, Any]:
-        """Counters and cache state."""
+    def snapshot(self, private: bool = False) -> dict[str, Any]:
+        """Counters and cache state; `private`: with the sections only the control socket's
+        callers (root, the daemon's owner) may see, not everyone who may use the mount."""
         summary = self._namespace.summary()
         result: dict[str, Any] = {
             "hub_url": str(self._config.hub_url),
@@ -107,7 +111,7 @@ class Admin:
             "pinned_bytes": self._cache.pinned_bytes(),
             **self._stats.as_dict(),
         }
-        for name, section in self._sections.items():
+        for name, section in (self._sections | self._private_sections if private else self._sections).items():
             result[name] = section()
         return result
 
