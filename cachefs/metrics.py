@@ -207,6 +207,7 @@ def training_gauges(training: dict[str, Any]) -> dict[str, float]:
 # that published a record, as it published it (a mount's counters restart at 0).
 _TENANT_GAUGES = {  # record field -> (name, help)
     "used_bytes": ("cachefs_tenant_used_bytes", "Bytes of blocks the tenant holds in the shared cache dir"),
+    "pinned_bytes": ("cachefs_tenant_pinned_bytes", "Bytes of the files the tenant pinned in the shared cache dir"),
     "allowance_bytes": ("cachefs_tenant_allowance_bytes", "Bytes the sharing policy allows the tenant now"),
     "min_bytes": ("cachefs_tenant_min_bytes", "Bytes guaranteed to the tenant while mounted (--cache-min)"),
     "max_bytes": ("cachefs_tenant_max_bytes", "The tenant's cap (--cache-max)"),
