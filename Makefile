@@ -22,6 +22,8 @@ PREFIX  ?= /opt/cachefs
 BINDIR  ?= /usr/local/bin
 SBINDIR ?= /sbin
 ROLE    ?= all
+# SYSTEM_FILES=no: only the virtualenv and the commands' symlinks (no units, users, /etc/cachefs).
+SYSTEM_FILES ?= yes
 INSTALL_PACKAGES_hub   := python3-venv
 INSTALL_PACKAGES_spoke := $(DEMO_PACKAGES)
 INSTALL_PACKAGES_all   := $(DEMO_PACKAGES)
@@ -92,7 +94,7 @@ lint: test-setup
 install:
 	$(call apt_install,$(INSTALL_PACKAGES_$(ROLE)))
 	scripts/install.sh --role $(ROLE) --prefix $(PREFIX) --bin-dir $(BINDIR) --sbin-dir $(SBINDIR) \
-		$(if $(filter no,$(PASSTHROUGH)),--no-passthrough-build)
+		$(if $(filter no,$(PASSTHROUGH)),--no-passthrough-build) $(if $(filter no,$(SYSTEM_FILES)),--no-system-files)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
