@@ -70,12 +70,13 @@ class NfsNamespace:
     def run(self, argv: Sequence[str], timeout_s: float = 60.0) -> subprocess.CompletedProcess[bytes]:
         return subprocess.run(self.command(argv), capture_output=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
 
-    def start_ganesha(self, mountpoint: Path, *export_args: str) -> subprocess.Popen[bytes]:
-        """`cachefs export MOUNTPOINT --run` in the namespace, once it serves."""
+    def start_ganesha(self, mountpoint: Path, *export_args: str, wrapper: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+        """`cachefs export MOUNTPOINT --run` in the namespace, once it serves; `wrapper`: a
+        command that execs it (with a unit's privileges)."""
         state_dir = self._workdir / f"ganesha-{len(self._ganesha)}"
         log_path = state_dir.with_suffix(".log")
         export = [
-            sys.executable, "-m", "cachefs", "export", str(mountpoint), "--clients", "127.0.0.1",
+            *wrapper, sys.executable, "-m", "cachefs", "export", str(mountpoint), "--clients", "127.0.0.1",
             "--grace-period", "0", "--state-dir", str(state_dir), "--run", *export_args,
         ]
         keep = shlex.quote(os.path.abspath(mountpoint))

@@ -16,7 +16,6 @@ import ssl
 import stat
 import subprocess
 import sys
-import textwrap
 import time
 import urllib.error
 import urllib.parse
@@ -31,6 +30,7 @@ import yaml
 from dataset import source_files
 from hub_helpers import HubProcess, fetch_manifest, free_port, hub_env, running_hub
 from mount_helpers import SpokeMount, daemon_pid, is_mounted, mounted_spoke, run_cachefs
+from systemd_helpers import parse_unit, require_tool, unit_privileges
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = REPO_ROOT / "deploy"
@@ -80,14 +80,6 @@ MOUNT_NAMESPACE_OPTIONS = {
 }
 
 
-def require_tool(name: str) -> str:
-    """A tool the deploy tests need; missing is a failure (the Makefile installs it)."""
-    found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin:/sbin:/bin")
-    if found is None:
-        pytest.fail(f"{name} is not installed: `make test` installs it (Makefile APT_PACKAGES)")
-    return found
-
-
 def run_tool(*args: str | os.PathLike[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [os.fspath(arg) for arg in args], capture_output=True, text=True, timeout=TOOL_TIMEOUT_S,
@@ -96,25 +88,6 @@ def run_tool(*args: str | os.PathLike[str], env: dict[str, str] | None = None) -
 
 
 # -- systemd ----------------------------------------------------------------------
-
-
-def parse_unit(path: Path) -> dict[str, dict[str, list[str]]]:
-    """section -> key -> values, in order (systemd allows repeated keys, which
-    configparser does not). Comments and blank lines are skipped."""
-    sections: dict[str, dict[str, list[str]]] = {}
-    current: dict[str, list[str]] | None = None
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith(("#", ";")):
-            continue
-        if line.startswith("[") and line.endswith("]"):
-            current = sections.setdefault(line[1:-1], {})
-            continue
-        assert current is not None, f"{path.name}: {line!r} before any section"
-        key, sep, value = line.partition("=")
-        assert sep, f"{path.name}: not KEY=VALUE: {line!r}"
-        current.setdefault(key.strip(), []).append(value.strip())
-    return sections
 
 
 def cachefs_executable(name: str) -> Path:
@@ -154,6 +127,7 @@ def test_systemd_analyze_verify_is_clean(unit: Path, name: str, tmp_path: Path) 
     [
         (HUB_UNIT, "cachefs-hub.service", 2.0),  # "OK": unprivileged, read-only, no capabilities
         (SPOKE_UNIT, "cachefs@mnt-data.service", 5.0),  # root and CAP_SYS_ADMIN: it mounts
+        (SYSTEMD / "cachefs-nfs@.service", "cachefs-nfs@mnt-data.service", 2.5),  # CAP_DAC_READ_SEARCH, sandboxed
     ],
 )
 def test_systemd_security_exposure(unit: Path, name: str, max_exposure: float, tmp_path: Path) -> None:
@@ -252,33 +226,6 @@ def test_tmpfiles_give_the_hubs_secrets_to_its_user(tmp_path: Path) -> None:
 
 
 # -- the units' privileges, applied with setpriv -------------------------------------
-
-# Turns on MemoryDenyWriteExecute's kernel mechanism (PR_SET_MDWE, Linux
-# >= 6.3; inherited across fork and exec), then execs the command.
-MDWE_EXEC = textwrap.dedent(
-    """
-    import ctypes, os, sys
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(65, 1, 0, 0, 0) != 0 and ctypes.get_errno() != 22:  # EINVAL: kernel too old
-        sys.exit("PR_SET_MDWE: " + os.strerror(ctypes.get_errno()))
-    os.execvp(sys.argv[1], sys.argv[1:])
-    """
-)
-
-
-def unit_privileges(unit: Path) -> list[str]:
-    """A command prefix that applies the unit's NoNewPrivileges=,
-    CapabilityBoundingSet= and MemoryDenyWriteExecute= to what follows."""
-    service = parse_unit(unit)["Service"]
-    capabilities = service["CapabilityBoundingSet"][-1].split()
-    bounding = ",".join(["-all", *(f"+{cap.removeprefix('CAP_').lower()}" for cap in capabilities)])
-    prefix = [require_tool("setpriv"), f"--bounding-set={bounding}", "--inh-caps=-all"]
-    if service.get("NoNewPrivileges") == ["yes"]:
-        prefix.append("--no-new-privs")
-    if service.get("MemoryDenyWriteExecute") == ["yes"]:
-        prefix += [sys.executable, "-c", MDWE_EXEC]
-    return prefix
-
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="capability bounding sets apply to root")
 

@@ -24,10 +24,12 @@ from dataset import source_files
 from hub_helpers import REPO_ROOT, HubProcess, running_hub, sample, scrape_metrics
 from mount_helpers import SpokeMount, mount_spoke, mounted_spoke, run_cachefs
 from nfs_helpers import idle_nfs_client, nfs_namespace
+from systemd_helpers import unit_privileges
 
 # allow_other: Ganesha reads as each client's user. No sibling prefetch: a read
 # fetches only the file read, so the bytes fetched can be counted.
 NFS_SPOKE_ARGS = (*SPOKE_ARGS, "--allow-other", "--nfs-export", "--prefetch-siblings", "0")
+NFS_UNIT = REPO_ROOT / "deploy" / "systemd" / "cachefs-nfs@.service"
 
 
 def _source_tree(root: Path) -> set[tuple[bytes, str, int]]:
@@ -55,9 +57,10 @@ def _nfs_ls_tree(output: bytes) -> set[tuple[bytes, str, int]]:
 
 def test_the_export_serves_the_hubs_tree_and_every_byte(dataset: Path, hub: HubProcess, tmp_path: Path) -> None:
     """NFSv4 lists the same tree as the hub's dataset (names that are not UTF-8, symlinks,
-    empty dirs), and NFSv3 reads every file byte for byte."""
+    empty dirs), and NFSv3 reads every file byte for byte, with the privileges the export's
+    unit grants (CapabilityBoundingSet=, NoNewPrivileges=, MemoryDenyWriteExecute=)."""
     with mounted_spoke(hub.url, tmp_path, NFS_SPOKE_ARGS) as spoke, nfs_namespace(tmp_path) as ns:
-        ns.start_ganesha(spoke.mountpoint, "--pseudo", "/data")
+        ns.start_ganesha(spoke.mountpoint, "--pseudo", "/data", wrapper=unit_privileges(NFS_UNIT))
         listing = ns.run(["nfs-ls", "-R", "nfs://127.0.0.1/data/?version=4"])
         assert listing.returncode == 0, listing.stderr
         assert _nfs_ls_tree(listing.stdout) == _source_tree(dataset)
