@@ -39,7 +39,7 @@ from hubserver import handlers
 from hubserver.clients import request_client
 from hubserver.errors import FileChangedError, FileUnavailableError, HubHTTPError, RequestAbandoned
 from hubserver.fairness import PerClientTurns
-from hubserver.files import check_unchanged, open_unchanged, read_block
+from hubserver.files import check_descriptor_unchanged, check_unchanged, open_unchanged, read_block
 from hubserver.handlers import json_error, unavailable
 from hubserver.metrics import ENDPOINT_CHECKSUMS, ENDPOINT_FILES
 from hubserver.rescan import SNAPSHOT_KEY
@@ -184,12 +184,21 @@ class ChecksumCache:
         record, block_bytes = asked.record, asked.block_bytes
         source = open_unchanged(asked.snapshot, record) if asked.fd is None else asked.fd
         try:
-            for key in keys:
-                if not asked.wanted():
-                    raise RequestAbandoned(f"the client of the sums of {record.path!r} went away")
-                data = read_block(source, record, block_bytes, key[3] * block_bytes)
-                self._on_hashed(asked.endpoint, len(data))
-                into[key] = xxhash.xxh3_64_intdigest(data)
+            hashed: dict[_Key, int] = {}
+            try:
+                for key in keys:
+                    if not asked.wanted():
+                        raise RequestAbandoned(f"the client of the sums of {record.path!r} went away")
+                    data = read_block(source, record, block_bytes, key[3] * block_bytes)
+                    self._on_hashed(asked.endpoint, len(data))
+                    hashed[key] = xxhash.xxh3_64_intdigest(data)
+            finally:
+                if hashed:
+                    # The open checked the inode before these reads; a write since then (in place,
+                    # same size) would have them hash its bytes, remembered and sent as the old
+                    # version's. A write changes mtime and ctime before any byte: check after.
+                    check_descriptor_unchanged(source, record)
+                    into.update(hashed)
         finally:
             if asked.fd is None:
                 os.close(source)

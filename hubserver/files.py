@@ -59,6 +59,20 @@ def check_unchanged(snapshot: Snapshot, record: FileRecord) -> bool:
     return _matches(record, st)
 
 
+def check_descriptor_unchanged(fd: int, record: FileRecord) -> None:
+    """Raise FileChangedError unless the open file still is the scanned one (same size,
+    mtime, ctime, inode). Called *after* reading: a write into the file updates its
+    mtime and ctime before it changes a byte, so bytes read before a check that
+    passes are the scanned version's (a check at open time alone lets a write that
+    lands between the open and the read through, under the old version). Blocking."""
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        raise FileUnavailableError(f"{record.path!r} cannot be checked now: {exc.strerror}") from None
+    if not _matches(record, st):
+        raise FileChangedError(f"{record.path!r} changed on disk while it was read")
+
+
 def read_block(fd: int, record: FileRecord, length: int, offset: int) -> bytes:
     """Up to `length` bytes of an open file of the snapshot at `offset`; an I/O error is
     FileUnavailableError (it may pass; it is no change of the file). Blocking."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import os
 import socket
 import threading
 import time
@@ -13,6 +14,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import trio
 import xxhash
 from hub_helpers import fetch_manifest, running_hub, wait_until
@@ -23,7 +25,8 @@ from cachefs.config import parse_hub_url
 from cachefs.fetch.hub_checksums import BlockChecksums
 from cachefs.fetch.hub_client import HubClient
 from hubserver.checksums import ChecksumCache, SumsAsked
-from hubserver.errors import RequestAbandoned
+from hubserver.errors import FileChangedError, RequestAbandoned
+from hubserver.files import open_unchanged
 from hubserver.scan import scan
 
 KiB = 1024
@@ -341,3 +344,33 @@ def test_a_spoke_with_the_largest_blocks_asks_for_sums_within_the_bound(tmp_path
         hashed = hashed_bytes(hub.url, endpoint="checksums")
     assert sums == [xxhash.xxh3_64_intdigest(bytes(block))] * 2
     assert hashed == 5 * block  # span 0 (blocks 0-3) and span 1 (block 4)
+
+
+def test_sums_of_a_file_rewritten_in_place_after_its_open_check_are_refused(tmp_path: Path) -> None:
+    """A data request's descriptor is checked when it is opened; a write in place (same
+    size) that lands before its blocks are hashed must not have the hub send, and
+    remember, the new bytes' sums as the scanned version's (the spoke would cache a mix
+    of both versions under the old one)."""
+    old, new = b"a" * (2 << 20), b"b" * (2 << 20)
+    (tmp_path / "f.bin").write_bytes(old)
+    snapshot = scan(tmp_path)
+    record = next(iter(snapshot.files_by_id.values()))
+    fd = open_unchanged(snapshot, record)  # what a data request holds when it asks for its sums
+    rewritten = threading.Event()
+
+    def wanted() -> bool:  # asked before each block is read: rewrite the file before the first
+        if not rewritten.is_set():
+            with open(tmp_path / "f.bin", "r+b") as f:
+                f.write(new)
+            rewritten.set()
+        return True
+
+    cache = ChecksumCache()
+    try:
+        with pytest.raises(FileChangedError):
+            cache.block_sums(SumsAsked(snapshot, record, 1 << 20, 0, 2, fd=fd, wanted=wanted))
+        with pytest.raises(FileChangedError):  # nothing of the new bytes was remembered for the old version
+            cache.block_sums(SumsAsked(snapshot, record, 1 << 20, 0, 2))
+    finally:
+        os.close(fd)
+        cache.close()
