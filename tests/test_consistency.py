@@ -57,12 +57,16 @@ def test_changed_file_is_refused_not_mixed_and_refresh_moves_on(dataset: Path, t
             assert mounted_changed.stat().st_size == len(old_bytes)
 
             # The hub rescans on SIGUSR1 and publishes a new generation; refresh moves the mount to it.
+            (source / "shards/shard-002.bin").unlink()
             hub.proc.send_signal(signal.SIGUSR1)
             wait_for_generation_change(hub, generation_before)
+            with pytest.raises(OSError) as failure:  # until then, a file the rescan removed is refused alike
+                read_uncached(spoke.mountpoint / "shards/shard-002.bin", 0, 100)
+            assert failure.value.errno == errno.ESTALE
             fetched_before = spoke.stats()["fetched_bytes"]
             result = run_cachefs("refresh", spoke.mountpoint)
             assert result.returncode == 0, result.stderr
-            assert "now shows generation" in result.stdout and "1 entries changed" in result.stdout
+            assert "now shows generation" in result.stdout and "2 entries changed, 1 removed" in result.stdout
             assert mounted_changed.stat().st_size == len(new_bytes)
             assert read_uncached(mounted_changed) == new_bytes
             # The unchanged file kept its cached blocks.

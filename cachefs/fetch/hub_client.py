@@ -304,8 +304,7 @@ class HubClient:
             target += f"&bs={sums_block_size}"
         headers = [(b"Range", f"bytes={start}-{start + length - 1}".encode())]
         async with self._request(target, headers) as (response, conn):
-            if response.status == 412:
-                raise RemoteFileChanged(f"file {file_id} changed on the hub (412)")
+            _refuse_changed(response.status, file_id)
             await self._expect(response, conn, 206)
             _check_content_range(response.headers.get(b"content-range", b""), start, length)
             if response.headers.get(b"content-length") != str(length).encode():
@@ -382,8 +381,7 @@ class HubClient:
         target = f"/v1/files/{file_id}/checksums?v={version}&bs={block_size}&first={first}&count={count}"
         body = bytearray()
         async with self._request(target) as (response, conn):
-            if response.status == 412:
-                raise RemoteFileChanged(f"file {file_id} changed on the hub (412)")
+            _refuse_changed(response.status, file_id)
             await self._expect(response, conn, 200)
             async for chunk in self._body(conn):
                 body += chunk
@@ -603,6 +601,15 @@ def _parse_batch_sums(value: bytes, count: int) -> list[int]:
     if len(sums) != count or not all(_HEX16_RE.fullmatch(text) for text in sums):
         raise HubProtocolError(f"hub sent a malformed {BATCH_SUMS_HEADER.decode()} header")
     return [int(text, 16) for text in sums]
+
+
+def _refuse_changed(status: int, file_id: str) -> None:
+    """RemoteFileChanged for a file of the mounted snapshot that the hub no longer serves as
+    it was: another version (412), or none at all after a rescan removed it (404)."""
+    if status == 412:
+        raise RemoteFileChanged(f"file {file_id} changed on the hub (412)")
+    if status == 404:
+        raise RemoteFileChanged(f"file {file_id} is no longer on the hub (404)")
 
 
 def _check_content_range(value: bytes, start: int, length: int) -> None:
