@@ -347,7 +347,7 @@ class Planner:
                     log.debug("plan %d: prefetch of %s failed", plan.id, keys[0])
                     return
                 latency_s = trio.current_time() - started
-                self.link.fetched(time.monotonic(), latency_s, len(keys))
+                self.link.fetched(time.monotonic(), latency_s, len(keys), sum(lengths))
                 self._fetched_total += sum(lengths)
                 self._stats.plan_prefetch_blocks += len(keys)
                 plan.prefetched_blocks += len(keys)
