@@ -144,6 +144,28 @@ def test_cli_writes_json_and_a_table(local_dataset: Path, tmp_path: Path, capsys
     assert bench_cli.main([str(local_dataset), "--workloads", "seq1,nope"]) == 2
 
 
+@pytest.mark.parametrize("option", ["--loader-workers", "--loader-batch", "--small-threads", "--loader-epochs",
+                                    "--random-reads", "--time-limit"])
+def test_cli_refuses_counts_that_measure_nothing_in_one_line(local_dataset: Path, option: str,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """0 loader workers waited out every epoch's time limit; 0 threads or a batch of 0 were tracebacks;
+    a negative time limit or read count printed results of nothing."""
+    for value in ("0", "-1"):
+        with pytest.raises(SystemExit) as exited:
+            bench_cli.main([str(local_dataset), "--workloads", "loader", option, value])
+        assert exited.value.code == 2
+        assert "Traceback" not in capsys.readouterr().err
+
+
+def test_cli_checks_its_json_file_before_the_run_and_shows_a_skipped_loader(
+        local_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_cli.main([str(local_dataset), "--workloads", "walk", "--json", str(tmp_path)]) == 2
+    assert "--json" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert bench_cli.main([str(tmp_path / "empty"), "--workloads", "loader"]) == 0
+    assert "no large files" in capsys.readouterr().out
+
+
 def test_cli_drops_the_page_cache_before_each_workload(local_dataset: Path) -> None:
     """--drop-caches: a file read just before the run is no longer in the page cache after it."""
     shard = sorted((local_dataset / "shards").iterdir())[0]

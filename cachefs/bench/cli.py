@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..cli.commands import OneLineParser
 from . import report
 from .loader import LoaderConfig, run_loader
 from .memory import PhasePeaks
@@ -60,8 +61,36 @@ FULL = Budget(time_limit_s=120, random_reads=5000, random_time_limit_s=15, loade
               loader_epoch_time_limit_s=120)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, not {text}")
+    return value
+
+
+def _milliseconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="cachefs bench",
         description="Measure read workloads on a directory: sequential throughput, random pread latency, "
         "small-file walk and read, and a training-like loader. Large files are shards/*.bin "
@@ -73,20 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)")
     parser.add_argument("--label", help="name of this run in the report (default: PATH)")
-    parser.add_argument("--time-limit", type=float, metavar="SECONDS", help="bound per workload")
-    parser.add_argument("--random-reads", type=int, metavar="N", help="preads per random workload")
-    parser.add_argument("--rand4k-reads", type=int, metavar="N", help="preads of the 4 KiB workload (overrides)")
-    parser.add_argument("--rand16k-reads", type=int, metavar="N", help="preads of the 16 KiB workload (overrides)")
-    parser.add_argument("--small-files", type=int, metavar="N", help="read at most N small files (default: all)")
-    parser.add_argument("--small-threads", type=int, default=16, help="threads reading small files (default: 16)")
-    parser.add_argument("--loader-workers", type=int, default=LoaderConfig.workers,
+    parser.add_argument("--time-limit", type=_seconds, metavar="SECONDS", help="bound per workload")
+    parser.add_argument("--random-reads", type=_positive_int, metavar="N", help="preads per random workload")
+    parser.add_argument("--rand4k-reads", type=_positive_int, metavar="N", help="preads of the 4 KiB workload (overrides)")
+    parser.add_argument("--rand16k-reads", type=_positive_int, metavar="N", help="preads of the 16 KiB workload (overrides)")
+    parser.add_argument("--small-files", type=_positive_int, metavar="N", help="read at most N small files (default: all)")
+    parser.add_argument("--small-threads", type=_positive_int, default=16, help="threads reading small files (default: 16)")
+    parser.add_argument("--loader-workers", type=_positive_int, default=LoaderConfig.workers,
                         help="loader processes (default: %(default)s)")
-    parser.add_argument("--loader-batch", type=int, default=LoaderConfig.batch_size,
+    parser.add_argument("--loader-batch", type=_positive_int, default=LoaderConfig.batch_size,
                         help="samples per batch (default: %(default)s)")
-    parser.add_argument("--loader-compute-ms", type=float, default=LoaderConfig.compute_s * 1000,
+    parser.add_argument("--loader-compute-ms", type=_milliseconds, default=LoaderConfig.compute_s * 1000,
                         help="emulated accelerator time per batch (default: %(default)g)")
-    parser.add_argument("--loader-samples", type=int, metavar="N", help="samples per epoch (0: all)")
-    parser.add_argument("--loader-epochs", type=int, default=LoaderConfig.epochs, help="epochs (default: 2)")
+    parser.add_argument("--loader-samples", type=_count, metavar="N", help="samples per epoch (0: all)")
+    parser.add_argument("--loader-epochs", type=_positive_int, default=LoaderConfig.epochs, help="epochs (default: 2)")
     parser.add_argument("--drop-caches", action="store_true",
                         help="drop the kernel's page cache before each workload (root only): each reads the "
                              "files as on a node that listed them but has not read them since boot")
@@ -243,9 +272,16 @@ def main(argv: list[str]) -> int:
     if args.drop_caches and not can_drop_page_cache():
         print("cachefs bench: error: --drop-caches needs root (it writes /proc/sys/vm/drop_caches)", file=sys.stderr)
         return 2
+    if args.json:  # found out before the run, not after it
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            with open(args.json, "a"):
+                pass
+        except OSError as exc:
+            print(f"cachefs bench: error: --json {args.json}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     results = run_all(args)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     print(report.single_run_table(results))
     return 0

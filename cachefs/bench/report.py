@@ -102,7 +102,9 @@ def single_run_table(results: dict[str, Any]) -> str:
         detail = result.get("skipped") or (
             f"{result['files']} files, {result['bytes_read'] / MiB:,.0f} MiB, {result['threads']} threads")
         rows.append(["small files, read all: s (MB/s)", small_cell(workloads), detail])
-    if "loader" in workloads and "skipped" not in workloads["loader"]:
+    if "loader" in workloads and "skipped" in workloads["loader"]:
+        rows.append(["loader: samples/s (busy)", "–", workloads["loader"]["skipped"]])
+    elif "loader" in workloads:
         loader = workloads["loader"]
         config = loader["config"]
         for run in loader["epochs"]:

@@ -49,7 +49,7 @@ EXIT_USAGE = 2  # argparse's exit code for a bad command line
 TOKEN_ENV = "CACHEFS_HUB_TOKEN"
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line on stderr (its subcommands' too)."""
 
     def error(self, message: str) -> NoReturn:
@@ -57,7 +57,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineParser(
         prog="cachefs",
         description="Read-through caching FUSE filesystem: mount a cachefs hub's dataset, "
         "keeping every block read on local disk.",
