@@ -175,9 +175,11 @@ def submit(reads: Iterable[Read], *, epoch: int | None = None, timeout_s: float 
     first = next(iterator, None)
     if first is None:
         raise PlanError("an empty plan: give at least one read (or use mark_epoch)")
-    path = os.fspath(_checked_read(first)[0])
-    return _submit(itertools.chain([first], iterator), find_mount(os.path.dirname(os.path.abspath(path)))[0],
-                   epoch, timeout_s)
+    path = os.path.abspath(os.fspath(_checked_read(first)[0]))
+    # The mount of the file's directory (the file may be missing: the daemon says so), or of a
+    # directory named as a file (the mount's root: the daemon says it is not a file).
+    within = path if os.path.isdir(path) else os.path.dirname(path)
+    return _submit(itertools.chain([first], iterator), find_mount(within)[0], epoch, timeout_s)
 
 
 def mark_epoch(path: str | os.PathLike[str], epoch: int | None = None) -> None:
@@ -224,6 +226,8 @@ def _stream(sock: socket.socket, reads: Iterator[Read], mountpoint: str, mountpo
         index = by_name.get(path)
         if index is None:
             name = os.fspath(path)
+            if os.path.realpath(name) == mountpoint:
+                raise PlanError(f"not a regular file: {name} (the mount's root)")
             directory, base = os.path.split(os.path.abspath(name))
             relative_dir = directories.get(directory)
             if relative_dir is None:  # symlinks resolved once per directory
@@ -247,6 +251,9 @@ def _stream(sock: socket.socket, reads: Iterator[Read], mountpoint: str, mountpo
 
 def _checked_read(read: Any) -> tuple[str | os.PathLike[str], int, int | None]:
     """One (path, offset, length) of a plan, or a PlanError that says what is wrong with it."""
+    if isinstance(read, (str, bytes, os.PathLike)):  # a reads_of that returned one read, not a list of them
+        raise PlanError(f"a read is (path, offset, length), not the path {read!r:.100} alone: "
+                        "give an iterable of reads (a PlanSampler's reads_of returns a list)")
     try:
         path, offset, length = read
     except (TypeError, ValueError):
@@ -416,13 +423,16 @@ class PlanSampler(_SamplerBase):
         """Stream the epoch's reads to the daemon; keep the plan open unless a newer epoch began meanwhile."""
         try:
             submitted = submit((read for index in spool.replay() for read in self.reads_of(index)), epoch=epoch)
-        except (PlanError, OSError, ValueError) as exc:
+        except Exception as exc:  # also a bug in reads_of (the caller's code): one warning, not a thread's traceback
             with self._lock:
                 current = generation == self._generation
             if self.strict and current:
+                if not isinstance(exc, (PlanError, OSError, ValueError)):
+                    raise  # the caller's bug, with its traceback
                 raise PlanError(str(exc)) from None
             if current and not self._warned:
-                log.warning("cachefs: training without a plan: %s", exc)
+                reason = exc if isinstance(exc, (PlanError, OSError, ValueError)) else f"{type(exc).__name__}: {exc}"
+                log.warning("cachefs: training without a plan: %s", reason)
                 self._warned = True
             return
         advice = submitted.advice

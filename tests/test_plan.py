@@ -11,6 +11,7 @@ import random
 import re
 import socket
 import subprocess
+import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -296,6 +297,27 @@ def test_plan_sampler_outside_a_mount_samples_unplanned(tmp_path: Path, caplog: 
         list(cachefs_plan.PlanSampler([0], lambda index: [(tmp_path / "data.bin", 0, 10)], strict=True))
 
 
+def test_a_plan_sampler_whose_reads_of_fails_warns_once_and_strict_raises_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in the caller's reads_of is one warning per sampler, not a thread's traceback each epoch."""
+    uncaught: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda hook: uncaught.append(hook.exc_value))
+
+    def reads_of(index: int) -> list[Read]:
+        raise KeyError(index)
+
+    sampler = cachefs_plan.PlanSampler(list(range(4)), reads_of)
+    with caplog.at_level(logging.WARNING):
+        for _epoch in range(2):
+            assert list(sampler) == list(range(4))
+            assert sampler.wait(10) is None
+    assert uncaught == []
+    warnings = [record.message for record in caplog.records if "training without a plan" in record.message]
+    assert warnings == ["cachefs: training without a plan: KeyError: 0"]
+    with pytest.raises(KeyError):
+        list(cachefs_plan.PlanSampler([0], reads_of, strict=True))
+
+
 def windows(dataset: Path, size: int) -> list[Read]:
     """Every `size`-byte window of the two large shards (the last one of each shorter)."""
     reads: list[Read] = []
@@ -569,7 +591,9 @@ def test_a_malformed_read_or_epoch_is_a_plan_error_not_a_traceback(spoke: SpokeM
     ValueError from deep inside it, nor a misleading 'not inside a cachefs mount'."""
     shard = spoke.mountpoint / "shards/shard-000.bin"
     bad = [
-        ([str(shard)], "a read is (path, offset, length)"),  # a path where a read belongs
+        ([str(shard)], "alone: give an iterable of reads"),  # a path where a read belongs
+        ([str(shard)[:3]], "alone: give an iterable of reads"),  # one that would unpack into three
+        ([(spoke.mountpoint, 0, 100)], "not a regular file"),  # the mount's root, not outside the mount
         ([(shard, 0)], "a read is (path, offset, length)"),
         ([(None, 0, 100)], "a read's path is a str or an os.PathLike"),
         ([(shard, "ten", 100)], "a read's offset and length are whole numbers"),
