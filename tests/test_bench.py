@@ -24,7 +24,7 @@ from bench import side_by_side, targets
 from bench.harness import LINKS, Bench, RunConfig, bytes_read, warm_caps
 from bench.processes import Server
 from cachefs.bench import cli as bench_cli
-from cachefs.bench import report
+from cachefs.bench import report, workloads
 from cachefs.bench.loader import SAMPLE_BYTES, LoaderConfig, run_loader
 from cachefs.bench.memory import PhasePeaks
 from cachefs.bench.workloads import find_dataset, random_pread, sequential_read, small_read_all, tree_walk
@@ -142,6 +142,28 @@ def test_cli_writes_json_and_a_table(local_dataset: Path, tmp_path: Path, capsys
     table = capsys.readouterr().out
     assert "sequential, 4 threads" in table and "loader epoch 2" in table
     assert bench_cli.main([str(local_dataset), "--workloads", "seq1,nope"]) == 2
+
+
+def test_cli_reads_a_shards_dir_of_other_files_by_size_and_fails_on_failed_reads(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A WebDataset layout (shards/*.tar) is measured, not skipped; fewer files than threads are
+    said; a run with failed reads exits 1."""
+    (tmp_path / "shards").mkdir()
+    for index in range(2):
+        (tmp_path / "shards" / f"train-{index}.tar").write_bytes(os.urandom(9 << 20))
+    assert bench_cli.main([str(tmp_path), "--quick", "--workloads", "seq4"]) == 0
+    table = capsys.readouterr().out
+    assert "2 files, 18 MiB" in table and "2 threads read" in table
+    real_read = workloads._read_whole_file
+
+    def failing(path: str, *args: object) -> tuple[int, bool]:
+        if path.endswith("train-0.tar"):
+            raise OSError(5, "Input/output error")
+        return real_read(path, *args)
+
+    monkeypatch.setattr(workloads, "_read_whole_file", failing)
+    assert bench_cli.main([str(tmp_path), "--quick", "--workloads", "seq1,seq4"]) == 1
+    assert "reads failed" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("option", ["--loader-workers", "--loader-batch", "--small-threads", "--loader-epochs",

@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cachefs bench",
         description="Measure read workloads on a directory: sequential throughput, random pread latency, "
         "small-file walk and read, and a training-like loader. Large files are shards/*.bin "
-        "(else files >= 8 MiB), small files small/*/* (else the rest).",
+        "(if none, files >= 8 MiB), small files small/*/* (else the rest). Exits 1 if reads failed.",
     )
     parser.add_argument("path", type=Path, help="the directory to read (a mount or a local dir)")
     parser.add_argument("--quick", action="store_true", help="smaller count and time budgets")
@@ -284,4 +284,18 @@ def main(argv: list[str]) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     print(report.single_run_table(results))
+    failed = _failed_reads(results["workloads"])
+    if failed:
+        print(f"cachefs bench: error: {failed} reads failed (marked !; the log lines above say which)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _failed_reads(result: Any) -> int:
+    """Every workload's failed reads (their `errors`, also the loader's per epoch)."""
+    if isinstance(result, dict):
+        own = result.get("errors")
+        return (own if isinstance(own, int) else 0) + sum(_failed_reads(value) for value in result.values())
+    if isinstance(result, list):
+        return sum(_failed_reads(value) for value in result)
     return 0

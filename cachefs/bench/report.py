@@ -86,7 +86,8 @@ def single_run_table(results: dict[str, Any]) -> str:
         if name in workloads:
             result = workloads[name]
             detail = result.get("skipped") or (
-                f"{result['files']} files, {result['bytes_read'] / MiB:,.0f} MiB in {result['wall_s']:.2f} s")
+                f"{result['files']} files, {result['bytes_read'] / MiB:,.0f} MiB in {result['wall_s']:.2f} s"
+                + (f", {result['threads']} threads read" if name == "seq4" and result.get("threads", 4) < 4 else ""))
             rows.append([label, seq_cell(workloads, name) + " MB/s", detail])
     for name, label in (("rand4k", "random 4 KiB pread p50 / p99"), ("rand16k", "random 16 KiB pread p50 / p99")):
         if name in workloads:

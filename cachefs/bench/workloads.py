@@ -84,10 +84,10 @@ def find_dataset(root: Path, with_small: bool = True) -> Dataset:
     """
     root = Path(root)
     shards_dir, small_dir = root / "shards", root / "small"
-    if shards_dir.is_dir():
-        shards = sorted(path for path in shards_dir.glob("*.bin") if path.is_file())
+    shards = sorted(path for path in shards_dir.glob("*.bin") if path.is_file()) if shards_dir.is_dir() else []
+    if shards:
         large = [FileEntry(str(path), path.stat().st_size) for path in shards]
-    else:
+    else:  # also a shards/ of other files (WebDataset's .tar): by size
         large = [entry for entry in _regular_files(root) if entry.size_bytes >= LARGE_FILE_MIN_BYTES]
     if small_dir.is_dir():
         small, small_root = (_regular_files(small_dir) if with_small else []), small_dir
@@ -252,7 +252,8 @@ def sequential_read(files: Sequence[FileEntry], threads: int, time_limit_s: floa
         worker.join()
     wall_s = time.monotonic() - start
     complete = pending.empty() and not totals["cut"]
-    return ThroughputResult(threads, len(files), totals["bytes"], wall_s, complete, totals["errors"])
+    # A thread reads one file at a time: fewer files than threads leave some idle.
+    return ThroughputResult(min(threads, len(files)), len(files), totals["bytes"], wall_s, complete, totals["errors"])
 
 
 # -- random pread -----------------------------------------------------------------
