@@ -239,17 +239,42 @@ class SnapshotFileResponse(web.StreamResponse):
 
 async def send_file_range(request: web.BaseRequest, fd: int, record: FileRecord, offset: int, length: int) -> None:
     """Send `length` bytes of the open descriptor from `offset` as (part of) a prepared
-    response's body, with sendfile. A file that shrank ends the connection at once."""
+    response's body: with sendfile on a plain connection, in pieces through the response's
+    writer over TLS. A file that shrank ends the connection at once."""
     transport = request.transport
     if transport is None or transport.is_closing():  # the client went away (asyncio would raise RuntimeError)
         raise ConnectionResetError("connection lost")
-    with open(fd, "rb", buffering=0, closefd=False) as file:  # noqa: ASYNC230 (wraps the open descriptor)
-        sent = await asyncio.get_running_loop().sendfile(transport, file, offset, length)
+    if request.secure:
+        sent = await _send_in_pieces(request, fd, offset, length)
+    else:
+        with open(fd, "rb", buffering=0, closefd=False) as file:  # noqa: ASYNC230 (wraps the open descriptor)
+            sent = await asyncio.get_running_loop().sendfile(transport, file, offset, length)
     if sent < length:
         log.warning("file %s shrank while being sent (%d of %d bytes); closing the connection",
                     record.file_id, sent, length)
         transport.abort()
         raise ConnectionResetError(f"file {record.file_id} shrank while being sent")
+
+
+# Over TLS the bytes are read and written in pieces of this size.
+_TLS_PIECE_BYTES: Final = 256 * 1024
+
+
+async def _send_in_pieces(request: web.BaseRequest, fd: int, offset: int, length: int) -> int:
+    """What asyncio's sendfile does over TLS (which has no sendfile), but through aiohttp's
+    writer, which raises ConnectionResetError as soon as the client is gone: asyncio's own
+    fallback reads on to the end of the range, logging a warning per piece written to the
+    closed connection, or fails with an AttributeError. Returns the bytes sent (fewer if the
+    file shrank)."""
+    loop = asyncio.get_running_loop()
+    sent = 0
+    while sent < length:
+        piece = await loop.run_in_executor(None, os.pread, fd, min(_TLS_PIECE_BYTES, length - sent), offset + sent)
+        if not piece:
+            break
+        await request.writer.write(piece)
+        sent += len(piece)
+    return sent
 
 
 def _lookup(request: web.Request) -> FileRecord:

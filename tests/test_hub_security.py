@@ -886,6 +886,31 @@ def test_client_that_stops_reading_is_cut_at_the_send_timeout(tmp_path: Path) ->
         assert http_get(hub, "/healthz").status == 200
 
 
+def test_a_tls_client_that_goes_away_mid_body_is_499_not_500(tmp_path: Path, pki: PKI) -> None:
+    """A TLS client that goes away mid-body is a client gone (499): not a 500, not a 200
+    after the hub read the rest of the file, nor a warning in the log per piece unsent."""
+    root = tmp_path / "root"
+    root.mkdir()
+    with open(root / "huge.bin", "wb") as f:
+        f.truncate(64 * 1024 * 1024)  # sparse: costs no disk
+    with running_hub(root, tls_args(pki)) as hub:
+        context = pki.client_context()
+        entry = next(e for e in fetch_manifest(hub, ssl_context=context).entries if e["k"] == "f")
+        with socket.create_connection((hub.host, hub.port), timeout=5) as raw:
+            with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+                tls.sendall(f"GET {file_url(entry)} HTTP/1.1\r\nHost: hub\r\n\r\n".encode())
+                tls.recv(4096)  # the head and the first bytes, then go away
+        gone = lambda: sample(scrape_metrics(hub, ssl_context=context), "cachefs_hub_requests_total",  # noqa: E731
+                              endpoint="files", status="499") == 1
+        assert wait_until(gone, 10, interval_s=0.25)
+        samples = scrape_metrics(hub, ssl_context=context)
+        assert sample(samples, "cachefs_hub_requests_total", endpoint="files", status="500") == 0
+        assert sample(samples, "cachefs_hub_requests_total", endpoint="files", status="200") == 0
+    # Not read on to the end of the file, one warning per piece written to nobody.
+    assert "SSL connection is closed" not in hub.stderr_text()
+    assert "Traceback" not in hub.stderr_text()
+
+
 # --------------------------------------------------------------- hostile input
 
 
