@@ -46,17 +46,17 @@ def _matches(record: FileRecord, st: os.stat_result) -> bool:
 
 
 def check_unchanged(snapshot: Snapshot, record: FileRecord) -> bool:
-    """True if the file on disk still is the one scanned: a regular file
-    with the same size, mtime, ctime, device and inode. Raises
-    FileUnavailableError if that cannot be told now. Blocking."""
+    """True if the file on disk still is the one scanned: a regular file with the same
+    size, mtime, ctime, device and inode, reached without a symlink in any component of
+    its path (as `open_unchanged` opens it: an lstat of the path would follow a directory
+    above it swapped for a symlink). Raises FileUnavailableError if that cannot be told
+    now. Blocking."""
     try:
-        st = os.lstat(snapshot.abs_path(record))
-    except OSError as exc:
-        error = _open_error(record, exc)
-        if isinstance(error, FileUnavailableError):
-            raise error from None
+        fd = open_unchanged(snapshot, record)
+    except FileChangedError:
         return False
-    return _matches(record, st)
+    os.close(fd)
+    return True
 
 
 def check_descriptor_unchanged(fd: int, record: FileRecord) -> None:

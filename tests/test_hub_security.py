@@ -972,6 +972,25 @@ def test_a_directory_swapped_for_a_symlink_is_never_followed_out_of_the_root(tmp
         writer.wait()
 
 
+def test_remembered_sums_of_a_file_under_a_directory_swapped_for_a_symlink_answer_412(tmp_path: Path) -> None:
+    """The directory above a file moved out of the root and a symlink to it put in its place:
+    the file is still the scanned inode, but reached through a symlink, so its checksums
+    answer 412 like its data, also when they are remembered (before: an lstat of the path
+    followed the symlink, and remembered sums were answered 200)."""
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "data.bin").write_bytes(b"x" * 100_000)
+    with running_hub(root) as hub:
+        entry = next(e for e in fetch_manifest(hub).entries if e["p"] == "sub/data.bin")
+        checksums = f"/v1/files/{entry['i']}/checksums?v={entry['v']}&bs=65536&first=0&count=2"
+        assert http_get(hub, checksums).status == 200  # now remembered
+        os.rename(root / "sub", tmp_path / "sub.moved")
+        os.symlink(tmp_path / "sub.moved", root / "sub")
+        assert_json_error(http_get(hub, file_url(entry), {"Range": "bytes=0-9"}), 412)
+        assert_json_error(http_get(hub, checksums), 412)
+    assert "Traceback" not in hub.stderr_text()
+
+
 def _open_walking(root: Path, rel: bytes, flags: int) -> int:
     root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
