@@ -175,5 +175,8 @@ class HubMetrics:
     def exposition(self, accept_header: str | None) -> tuple[bytes, str]:
         """The registry in the text format the scraper asked for (Prometheus
         text by default, OpenMetrics if its Accept header prefers it)."""
-        encoder, content_type = choose_encoder(accept_header or "")
+        try:
+            encoder, content_type = choose_encoder(accept_header or "")
+        except (TypeError, ValueError):  # prometheus_client fails on a version it cannot compare ("version=abc")
+            encoder, content_type = choose_encoder("")
         return encoder(self.registry), content_type

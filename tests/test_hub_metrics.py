@@ -138,6 +138,20 @@ def test_openmetrics_on_request(served: Served) -> None:
     assert reply.body.rstrip().endswith(b"# EOF")
 
 
+@pytest.mark.parametrize(
+    "accept",
+    ["application/openmetrics-text; version=abc", "text/plain; version=x", "application/openmetrics-text; version=1.a"],
+)
+def test_an_accept_header_with_a_malformed_version_gets_the_text_format(accept: str) -> None:
+    """prometheus_client's choose_encoder raises TypeError on such a version: that was a 500
+    and a traceback in the log for any client (/metrics is open by default)."""
+    from hubserver.metrics import HubMetrics
+
+    body, content_type = HubMetrics().exposition(accept)
+    assert content_type.startswith("text/plain")
+    assert b"cachefs_hub_requests_total" in body
+
+
 def test_each_app_has_its_own_registry(tmp_path: Path) -> None:
     from prometheus_client import REGISTRY
 
