@@ -77,6 +77,10 @@ def handler_options(config: HubConfig) -> dict[str, Any]:
         "max_field_size": config.max_header_bytes,
         "max_headers": config.max_headers,
         "lingering_time": config.lingering_time_s,
+        # No endpoint reads a body, yet one is drained after the answer: never gunzip it (a
+        # "Content-Encoding: gzip" body that is not gzip was a traceback in the log, and a
+        # compressed one seconds of the event loop's CPU).
+        "auto_decompress": False,
         # The access log is written by the observe middleware and, for
         # requests the parser refuses, by HubRequestHandler.handle_error.
         "access_log": None,

@@ -862,6 +862,32 @@ def test_a_hub_out_of_descriptors_answers_503_and_spokes_wait_not_estale(tmp_pat
     assert "Traceback" not in hub.stderr_text()
 
 
+def test_a_compressed_request_body_is_drained_without_a_traceback_or_gunzipping(tmp_path: Path) -> None:
+    """No endpoint reads a body; the one drained after the answer is not decompressed: a
+    body that is not the gzip it claims was a traceback in the log ("Unhandled exception"),
+    and a gzip bomb kept the event loop busy for seconds."""
+    import zlib
+
+    root = tmp_path / "root"
+    root.mkdir()
+    compressor = zlib.compressobj(9, zlib.DEFLATED, 31)  # gzip
+    zeros = bytes(1 << 20)
+    bomb = b"".join([*(compressor.compress(zeros) for _ in range(512)), compressor.flush()])  # 512 MiB in ~0.5 MB
+    with running_hub(root) as hub:
+        for body in (b"not gzip at all", bomb):
+            head = f"GET /healthz HTTP/1.1\r\nHost: hub\r\nContent-Encoding: gzip\r\nContent-Length: {len(body)}\r\n\r\n"
+            with socket.create_connection((hub.host, hub.port), timeout=10) as sock:
+                sock.sendall(head.encode() + body)
+                assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
+                started = time.monotonic()
+                assert http_get(hub, "/healthz").status == 200
+                assert time.monotonic() - started < 0.5  # the hub is not busy gunzipping
+        samples = scrape_metrics(hub)
+        assert sample(samples, "process_cpu_seconds_total") < 2
+    assert "Traceback" not in hub.stderr_text()
+    assert "Unhandled exception" not in hub.stderr_text()
+
+
 def healthz_status(hub: HubProcess, ssl_context: ssl.SSLContext | None = None) -> int:
     try:
         return http_get(hub, "/healthz", ssl_context=ssl_context).status
