@@ -219,9 +219,13 @@ def _check_options_together(args: argparse.Namespace) -> None:
 
 def check_root(root: Path) -> Path:
     """The root as an absolute path; raises UserError if it cannot be served."""
-    if not root.exists():
+    try:
+        exists, is_dir = root.exists(), root.is_dir()
+    except OSError as exc:  # EACCES on a directory above it (Path.exists raises it)
+        raise UserError(f"root {root} cannot be looked at: {exc.strerror}") from None
+    if not exists:
         raise UserError(f"root {root} does not exist")
-    if not root.is_dir():
+    if not is_dir:
         raise UserError(f"root {root} is not a directory")
     try:
         with os.scandir(root):

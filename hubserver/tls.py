@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import ssl
+import stat
+from pathlib import Path
 
 from hubserver.config import HubConfig
 from hubserver.errors import TLSConfigError
@@ -20,12 +23,28 @@ def _no_password() -> bytes:
     raise TLSConfigError("the key is encrypted; give an unencrypted key (readable by the hub only)")
 
 
+def _check_regular_file(option: str, path: Path | None) -> None:
+    """Refuse a FIFO, a device or a socket (OpenSSL would wait forever on a FIFO); raises
+    TLSConfigError. A missing or unreadable file, or a directory, is left to OpenSSL's message."""
+    if path is None:
+        return
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        raise TLSConfigError(f"{option} {path} is not a regular file")
+
+
 def make_ssl_context(config: HubConfig) -> ssl.SSLContext | None:
     """The server's TLS context (TLS 1.2 or newer, HTTP/1.1 only), None
     without --tls-cert. With --tls-client-ca every client must present a
     certificate that CA signed. Raises TLSConfigError."""
     if config.tls_cert is None or config.tls_key is None:
         return None
+    for option, path in (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key),
+                         ("--tls-client-ca", config.tls_client_ca)):
+        _check_regular_file(option, path)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.set_alpn_protocols(["http/1.1"])

@@ -443,6 +443,34 @@ def test_tls_option_errors(
     assert_one_line_error(result, needle)
 
 
+@pytest.mark.parametrize("option", ["--tls-cert", "--tls-key", "--tls-client-ca"])
+def test_a_fifo_as_a_tls_file_is_one_line_error_not_a_hang(tmp_path: Path, pki: PKI, option: str) -> None:
+    fifo = tmp_path / "fifo.pem"
+    os.mkfifo(fifo)
+    files = {"--tls-cert": pki.server_cert, "--tls-key": pki.server_key, "--tls-client-ca": pki.ca, option: fifo}
+    args = [arg for pair in files.items() for arg in map(str, pair)]
+    result = run_hub_cli(["serve", "--root", tmp_path, "--listen", "127.0.0.1:0", *args], timeout_s=10)
+    assert_one_line_error(result, option, "not a regular file")
+
+
+def test_a_root_under_a_directory_that_cannot_be_searched_is_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a user without search permission on a directory above the root, Path.exists()
+    raises PermissionError (it was a traceback); root bypasses permissions, so it is faked."""
+    root = tmp_path / "closed" / "root"
+    real_stat = Path.stat
+
+    def stat(self: Path, *, follow_symlinks: bool = True) -> os.stat_result:
+        if self == root:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_stat(self, follow_symlinks=follow_symlinks)
+
+    monkeypatch.setattr(Path, "stat", stat)
+    result = run_cli_in_process(["serve", "--root", root], capsys)
+    assert_one_line_error(result, str(root), "Permission denied")
+
+
 def test_tls_key_not_matching_the_cert_is_one_line_error(
     tmp_path: Path, pki: PKI, capsys: pytest.CaptureFixture[str]
 ) -> None:
