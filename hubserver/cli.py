@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="scan a directory and serve it",
         description=(
             "Scan DIR once into a snapshot and serve it (protocol version 1: "
-            "/healthz, /v1/manifest, /v1/files/ID, /metrics). Once listening, prints "
+            "/healthz, /v1/manifest, /v1/files/ID, /v1/files/ID/checksums, /v1/batch, POST /v1/rescan, "
+            "/metrics). Once listening, prints "
             f"'{PROG} listening on http://HOST:PORT' (https with TLS) on stdout; logs go to "
             "stderr. Stops cleanly on SIGTERM or SIGINT; SIGHUP reloads the token files; SIGUSR1 rescans the root."
         ),
