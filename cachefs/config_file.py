@@ -11,6 +11,8 @@ Standard library only: the hub's CLI uses it too.
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 import tomllib
 from pathlib import Path
 
@@ -40,7 +42,10 @@ def options_from_file(path: Path, parser: argparse.ArgumentParser, given: frozen
     command line gives (`given`: its long options): a flag overrides the file, also for an option
     given once per item (a file's `tier` list and a `--tier` flag are not added together)."""
     try:
-        with open(path, "rb") as source:
+        # Non-blocking: a FIFO given as the file is refused, not waited on forever.
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as source:
+            if not stat.S_ISREG(os.fstat(source.fileno()).st_mode):
+                raise ConfigFileError(f"config file {path} is not a regular file")
             table = tomllib.load(source)
     except OSError as exc:
         raise ConfigFileError(f"cannot read config file {path}: {exc.strerror}") from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from mount_helpers import assert_clean_failure, mounted_spoke, run_cachefs
@@ -30,6 +31,9 @@ def test_bad_config_files_are_refused(hub, tmp_path: Path) -> None:
                          "not valid TOML")
     assert_clean_failure(run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", tmp_path / "c",
                                      "--config", tmp_path / "missing.toml"), "cannot read config file")
+    os.mkfifo(tmp_path / "fifo.toml")  # nobody writes it: reading would wait forever
+    assert_clean_failure(run_cachefs("mount", hub.url, tmp_path / "mnt", "--cache-dir", tmp_path / "c",
+                                     "--config", tmp_path / "fifo.toml", timeout_s=20), "is not a regular file")
     for text, message in (("foreground = true\n", "foreground is not a file option"),  # fstab's mount would hang
                           ('token_file = "/tmp/t\\u0000x"\n', "a value holds a NUL character")):
         (tmp_path / "bad.toml").write_text(text)
