@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE
-from hub_helpers import free_port
+from hub_helpers import free_port, running_hub, sample, scrape_metrics
 from mount_helpers import SpokeMount, mounted_spoke, read_uncached, run_cachefs, spoke_metrics, wait_for_stats
 
 from bench.plan_bench import belady_hits
@@ -101,6 +101,33 @@ def test_plan_prefetch_serves_identical_bytes(hub, dataset: Path, tmp_path: Path
         random.Random(2).shuffle(reads)
         read_through(spoke, dataset, reads)
         assert spoke.stats()["fetched_bytes"] == stats["fetched_bytes"]
+
+
+def test_a_plan_of_small_files_prefetches_them_in_batches(tmp_path: Path) -> None:
+    """A sample per file (smaller than a block): plan prefetch spreads its window over the
+    connections in batches of several files, not a request (a round trip) each, and serves
+    each file's bytes once."""
+    rng = random.Random(11)
+    root = tmp_path / "root"
+    for directory in range(3):
+        (root / f"d{directory}").mkdir(parents=True)
+        for index in range(60):
+            (root / f"d{directory}" / f"{index:03d}.jpg").write_bytes(rng.randbytes(rng.randrange(1, TEST_BLOCK_SIZE)))
+    files = sorted(path.relative_to(root) for path in root.rglob("*.jpg"))
+    rng.shuffle(files)
+    with running_hub(root) as hub, mounted_spoke(hub.url, tmp_path, (*PLAIN_ARGS, "--block-size", "1M")) as spoke:
+        with cachefs_plan.submit([(spoke.mountpoint / path, 0, None) for path in files], epoch=1):
+            read_through(spoke, root, [(str(path), 0, None) for path in files[:1]])  # the readers start
+            prefetched = settled(spoke)["plan_prefetch_blocks"]
+            metrics = scrape_metrics(hub)
+            batches = sample(metrics, "cachefs_hub_requests_total", endpoint="batch", status="200")
+            singles = sample(metrics, "cachefs_hub_requests_total", endpoint="files", status="206")
+            # The first window (more uses than connections) in batches of two or more.
+            assert prefetched >= INITIAL_LOOKAHEAD_BLOCKS and batches >= 1 and batches + singles <= prefetched // 2 + 1
+            read_through(spoke, root, [(str(path), 0, None) for path in files])
+            stats = wait_for_stats(spoke, lambda s: s["training"]["plans_active"] == 0)
+        assert stats["plan_prefetch_wasted_blocks"] == 0
+        assert stats["fetched_bytes"] == sum((root / path).stat().st_size for path in files)  # each file once
 
 
 def test_plan_that_lies_costs_only_bounded_counted_prefetch(hub, dataset: Path, tmp_path: Path) -> None:

@@ -88,6 +88,10 @@ class _Request:
     def note(self, index: int) -> HoldNote | None:
         return self.notes[index] if self.notes is not None else None
 
+    def only(self, index: int) -> _Request:
+        """This request for its `index`th block alone."""
+        return self if self.notes is None else _Request(self.owner, (self.notes[index],))
+
 
 # A block on its way to the cache: its key, bytes, and whether its admission is forced.
 _Written = tuple[BlockKey, BlockData, bool]
@@ -259,23 +263,36 @@ class Fetcher:
         batches (an older one) is asked one by one from then on.
         """
         with self._readahead_fetching(lengths):
-            flights = self._new_flights(keys, claim=True)
-            queued: set[int] = set()
-            if self.batches:
-                try:
-                    return await self._batch_streamed(keys, flights, lengths, queued)
-                except RemoteFileChanged:
-                    pass  # one of them changed: asking one by one tells which
-                except BatchUnsupported as exc:
-                    log.warning("no batches of small files from this hub (%s): asking for them one by one", exc)
-                    self.batches = False
-            rest = _not_in(queued, len(keys))
-            return await self._read_ahead_one_by_one(
-                [keys[index] for index in rest], [flights[index] for index in rest], [lengths[index] for index in rest]
-            )
+            return await self._files(keys, self._new_flights(keys, claim=True), lengths, _READ_AHEAD)
+
+    async def plan_prefetch_files(self, keys: Sequence[BlockKey], lengths: Sequence[int],
+                                  notes: Sequence[HoldNote]) -> bool:
+        """A plan's prefetch of small files whole, with one batch request (as `read_ahead_files`);
+        each file is held for its planned use, which its note in `notes` follows."""
+        request = _Request(Owner.PLAN, tuple(notes))
+        return await self._files(keys, self._new_flights(keys, claim=False), lengths, request)
+
+    async def _files(self, keys: Sequence[BlockKey], flights: list[Flight], lengths: Sequence[int],
+                     request: _Request) -> bool:
+        """Small files whole (block 0 of each), with one batch request while the hub takes them."""
+        queued: set[int] = set()
+        if self.batches:
+            try:
+                return await self._batch_streamed(keys, flights, lengths, queued, request)
+            except RemoteFileChanged:
+                pass  # one of them changed: asking one by one tells which
+            except BatchUnsupported as exc:
+                log.warning("no batches of small files from this hub (%s): asking for them one by one", exc)
+                self.batches = False
+        rest = _not_in(queued, len(keys))
+        return await self._files_one_by_one(
+            [keys[index] for index in rest], [flights[index] for index in rest], [lengths[index] for index in rest],
+            [request.only(index) for index in rest],
+        )
 
     async def _batch_streamed(
-        self, keys: Sequence[BlockKey], flights: list[Flight], lengths: Sequence[int], queued: set[int]
+        self, keys: Sequence[BlockKey], flights: list[Flight], lengths: Sequence[int], queued: set[int],
+        request: _Request,
     ) -> bool:
         """Small files with one batch request (retried until `fetch_timeout_s` from now), each
         handed over and then queued for the cache writer as soon as it has arrived and been
@@ -296,7 +313,7 @@ class Fetcher:
 
             async def verified(position: int, data: Buffer) -> None:
                 index = rest[position]
-                await self._hand_over_and_queue(keys[index], flights[index], data, _READ_AHEAD, index, deadline)
+                await self._hand_over_and_queue(keys[index], flights[index], data, request, index, deadline)
                 queued.add(index)
 
             return await self._requests.batch([keys[index] for index in rest], [lengths[index] for index in rest], verified)
@@ -313,7 +330,8 @@ class Fetcher:
             raise
         return True
 
-    async def _read_ahead_one_by_one(self, keys: Sequence[BlockKey], flights: list[Flight], lengths: Sequence[int]) -> bool:
+    async def _files_one_by_one(self, keys: Sequence[BlockKey], flights: list[Flight], lengths: Sequence[int],
+                                requests: Sequence[_Request]) -> bool:
         """Small files with one request each, side by side (one round trip, not one per file)
         within `prefetch_slots`: one request at a time on the caller's slot, and one on each
         slot free. False if any failed.
@@ -323,18 +341,19 @@ class Fetcher:
         read-ahead; it fetches the file itself (and the requests here skip it).
         """
         self._fail(list(keys), flights, FetchAbandoned(f"batch of {keys[0]} and others asked for one by one"))
-        files = iter(zip(keys, lengths, strict=True))
+        files = iter(zip(keys, lengths, requests, strict=True))
         failed: list[BlockKey] = []
 
         async def requester(slot: contextlib.AbstractAsyncContextManager[object]) -> None:
             while True:
                 async with slot:
-                    key, length = next(((k, n) for k, n in files if not self.in_flight_or_cached(k)), (None, 0))
+                    key, length, request = next(((k, n, r) for k, n, r in files if not self.in_flight_or_cached(k)),
+                                                (None, 0, _READ_AHEAD))
                     if key is None:
                         return
                     flight = self._flights[key] = Flight()
                     attempt = functools.partial(self._requests.range, key, 0, [length])
-                    if await self._run([key], [flight], attempt, _READ_AHEAD) is None:
+                    if await self._run([key], [flight], attempt, request) is None:
                         failed.append(key)
 
         async with trio.open_nursery() as nursery:

@@ -49,6 +49,9 @@ SUMS_HEADER = b"cachefs-block-sums"  # see hubserver/checksums.py
 BATCH_SUMS_HEADER = b"cachefs-batch-sums"  # see hubserver/batch.py
 # Answers of a hub that has no batch endpoint (an older one), or refuses this batch.
 BATCH_UNKNOWN_STATUSES = (400, 404, 405)
+# What one batch may name: the hub's limits (hubserver/batch.py, docs/protocol.md).
+BATCH_MAX_FILES = 64
+BATCH_MAX_BYTES = 8 * 1024 * 1024
 _HEX16_RE = re.compile(rb"[0-9a-f]{16}")
 _SUMS_RE = re.compile(rb"bs=(\d{1,10}); first=(\d{1,12}); ([0-9a-f]{16}(?:,[0-9a-f]{16}){0,63})")
 

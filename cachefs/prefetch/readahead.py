@@ -15,7 +15,7 @@
   (the rest of its directory, then the next directories), because datasets
   of small files are read in that order far more often than not, and each
   one would otherwise cost a round trip. They are asked for in batches of
-  up to `BATCH_FILES` files per request: per-request costs (HTTP on both
+  up to `BATCH_MAX_FILES` files per request: per-request costs (HTTP on both
   ends, the hub's file opens in a worker thread) were what limited a tree
   of small files, not the link.
 

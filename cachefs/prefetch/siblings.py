@@ -12,6 +12,7 @@ import trio
 from ..cache import BlockCache
 from ..config import COALESCE_BLOCKS
 from ..fetch.fetcher import Fetcher
+from ..fetch.hub_client import BATCH_MAX_BYTES, BATCH_MAX_FILES
 from ..namespace.tree import Inode, Namespace
 from ..read.blocks import SmallDiskReads
 from ..read.handles import OpenFile
@@ -22,13 +23,11 @@ from .queue import PrefetchQueue, head_key
 # bytes one walk asks for (the WAN a reader that opens one file can cost).
 SIBLINGS_REMEMBERED = 4096
 SIBLING_PREFETCH_BYTES = 16 * 1024 * 1024
-# Small files per batch request: the hub's limit (hubserver/batch.py). A
-# batch also holds at most a read-ahead run's bytes (COALESCE_BLOCKS blocks),
-# which keeps the memory read-ahead can have in flight where it was; that
-# bound, not the count, sets the batch for files of ~100 KiB (40 files).
-# Larger batches cost the hub less CPU per file (docs/performance.md).
-BATCH_FILES = 64
-BATCH_MAX_BYTES = 8 * 1024 * 1024  # the hub's limit (docs/protocol.md)
+# Small files per batch request: the hub's limit, BATCH_MAX_FILES. A batch
+# also holds at most a read-ahead run's bytes (COALESCE_BLOCKS blocks), which
+# keeps the memory read-ahead can have in flight where it was; that bound, not
+# the count, sets the batch for files of ~100 KiB (40 files). Larger batches
+# cost the hub less CPU per file (docs/performance.md).
 # A large file's index entries are paged in (in a worker thread) when it is
 # opened, and the data of cached small files a walk is about to reach (see
 # prefetch_siblings), each at most once in this many seconds: their reads then
@@ -174,11 +173,11 @@ class Siblings:
         return followers
 
     def _batches(self, files: list[Inode]) -> Iterator[list[Inode]]:
-        """Small files in groups of at most BATCH_FILES and a read-ahead run's bytes."""
+        """Small files in groups of at most BATCH_MAX_FILES and a read-ahead run's bytes."""
         batch: list[Inode] = []
         batch_bytes = 0
         for inode in files:
-            if batch and (len(batch) == BATCH_FILES or batch_bytes + inode.size > self._batch_bytes):
+            if batch and (len(batch) == BATCH_MAX_FILES or batch_bytes + inode.size > self._batch_bytes):
                 yield batch
                 batch, batch_bytes = [], 0
             batch.append(inode)

@@ -29,20 +29,14 @@ class LinkEstimate:
         self._slots = slots
         self.latency_s = INITIAL_LATENCY_S
         self.concurrency_blocks = max(MIN_CONCURRENCY_BLOCKS, min(INITIAL_INFLIGHT_BYTES // block_size, slots))
-        # Mean bytes of a prefetched block: a block of a file smaller than
-        # block_size (a sample per file) carries only the file's bytes, so the
-        # blocks that fill the bandwidth-delay product are counted in these.
-        self.block_bytes = float(block_size)
         self.rtt_s: float | None = None
         self.bytes_per_s: float | None = None
         self._rtt_samples: collections.deque[tuple[float, float]] = collections.deque()
         self._rate_samples: collections.deque[tuple[float, float]] = collections.deque()
 
-    def fetched(self, now: float, latency_s: float, blocks: int, nbytes: int | None = None) -> None:
-        """A prefetch of `blocks` blocks (`nbytes` bytes) took `latency_s`; one of a single block measures the RTT."""
+    def fetched(self, now: float, latency_s: float, blocks: int) -> None:
+        """A prefetch of `blocks` blocks took `latency_s`; one of a single block measures the RTT."""
         self.latency_s += RATE_SMOOTHING * (latency_s - self.latency_s)
-        if nbytes is not None and blocks > 0:
-            self.block_bytes += RATE_SMOOTHING * (max(1.0, nbytes / blocks) - self.block_bytes)
         if blocks == 1:
             self._rtt_samples.append((now, latency_s))
 
@@ -57,5 +51,5 @@ class LinkEstimate:
             return
         self.bytes_per_s = max(rate for _t, rate in self._rate_samples)
         self.rtt_s = min(rtt for _t, rtt in self._rtt_samples)
-        wanted = 2 * self.bytes_per_s * self.rtt_s / min(self._block_size, self.block_bytes) + 1
+        wanted = 2 * self.bytes_per_s * self.rtt_s / self._block_size + 1
         self.concurrency_blocks = max(MIN_CONCURRENCY_BLOCKS, min(self._slots, math.ceil(wanted)))

@@ -65,10 +65,11 @@ from typing import Any
 import trio
 
 from ..cache import BlockCache, BlockKey
-from ..config import MemoryBudget, run_blocks
+from ..config import RUN_BYTES, MemoryBudget, run_blocks
 from ..control.server import Lines, Progress
 from ..errors import CachefsError
 from ..fetch.fetcher import Fetcher
+from ..fetch.hub_client import BATCH_MAX_FILES
 from ..fetch.runs import missing_runs
 from ..metrics import Stats
 from ..namespace.tree import Namespace
@@ -146,7 +147,8 @@ class Planner:
         self.lookahead_blocks = min(INITIAL_LOOKAHEAD_BLOCKS, self.max_lookahead_blocks)
         self._horizon_entries = min(HORIZON_BUDGET_ENTRIES, max(MIN_HORIZON_ENTRIES, 4 * capacity_blocks))
         self._learned_trail = MIN_TRAIL_ENTRIES  # how far behind the head readers were seen: the next plan starts there
-        self._inflight_blocks = 0
+        self._inflight_blocks = 0  # plan prefetch's blocks in flight, and their bytes:
+        self._inflight_bytes = 0  # the link is kept busy in bytes (small files are far less than a block)
         # Blocks of runs started and not finished (a run waits for a connection before its
         # blocks are in flight): another plan's `_issue` must not ask for them again.
         self._scheduled: collections.Counter[BlockKey] = collections.Counter()
@@ -287,25 +289,40 @@ class Planner:
         target = min(plan.head + self.lookahead_blocks, plan.horizon)
         position = max(plan.issued, plan.tail)
         run: list[tuple[int, int]] = []  # (entry key, position)
+        run_bytes = 0
         asked: set[int] = set()
         held_blocks = self._held_blocks()
         memory_blocks = self._inflight_blocks + held_blocks + self._readahead_blocks()
-        while (position < target and self._inflight_blocks + len(run) < self.link.concurrency_blocks
+        while (position < target
+               and self._inflight_bytes + run_bytes < self.link.concurrency_blocks * self._block_size
                and self._inflight_blocks + held_blocks + len(run) < self.lookahead_blocks
                and memory_blocks + len(run) < self.max_lookahead_blocks):
             entry = plan.key_at(position)
             if not plan.is_consumed(position) and entry not in asked:
                 key = plan.block_key(entry)
                 if key not in self._scheduled and not self._at_hand(key):
-                    if run and (entry != run[-1][0] + 1 or len(run) >= self._run_blocks):
+                    if run and not self._joins(plan, run, entry):
                         self._start_run(plan, run)
                         run = []
                     run.append((entry, position))
+                    run_bytes += plan.block_length(entry)
                     asked.add(entry)
             position += 1
         if run:
             self._start_run(plan, run)
         plan.issued = position
+
+    def _joins(self, plan: Plan, run: list[tuple[int, int]], entry: int) -> bool:
+        """Whether `entry` goes into the request of `run`: the next block of the same file, or,
+        in a run of small files whole, another small file (one batch request while the hub
+        takes them, up to its limit and RUN_BYTES): a sample per file needs no round trip each."""
+        if plan.whole_file(run[0][0]):
+            # As many files to a batch as spread the lookahead over the connections.
+            slots = int(self._fetcher.prefetch_slots.total_tokens)
+            batch_files = min(BATCH_MAX_FILES, -(-self.lookahead_blocks // slots))
+            return (self._fetcher.batches and plan.whole_file(entry) and len(run) < batch_files
+                    and sum(plan.block_length(item) for item, _position in run) + plan.block_length(entry) <= RUN_BYTES)
+        return entry == run[-1][0] + 1 and len(run) < self._run_blocks
 
     def _readahead_blocks(self) -> int:
         """Blocks' worth of memory read-ahead holds (other files' streams, fills, small files):
@@ -315,6 +332,7 @@ class Planner:
     def _start_run(self, plan: Plan, run: list[tuple[int, int]]) -> None:
         assert self._nursery is not None
         self._inflight_blocks += len(run)
+        self._inflight_bytes += self._run_bytes(plan, run)
         self._scheduled.update(plan.block_key(entry) for entry, _position in run)
         self._nursery.start_soon(logging_failure, self._prefetch_run, plan, run)
 
@@ -331,8 +349,9 @@ class Planner:
                     return position >= plan.tail and not plan.consumed_at(position) and not self._at_hand(
                         plan.block_key(entry))
 
-                stretches = list(missing_runs(run, missing))
-                if not stretches:
+                files = plan.whole_file(run[0][0])  # small files whole: any of them in one batch
+                stretches = [[item for item in run if missing(item)]] if files else list(missing_runs(run, missing))
+                if not stretches or not stretches[0]:
                     return
                 wanted = stretches[0]
                 for stretch in stretches[1:]:
@@ -342,23 +361,31 @@ class Planner:
                 notes = [PlanHold(plan, position) for _entry, position in wanted]
 
                 started = trio.current_time()
-                fetched = await self._fetcher.plan_prefetch(keys, keys[0].blockno * self._block_size, lengths, notes)
+                if files and len(keys) > 1:
+                    fetched = await self._fetcher.plan_prefetch_files(keys, lengths, notes)
+                else:
+                    fetched = await self._fetcher.plan_prefetch(keys, keys[0].blockno * self._block_size, lengths, notes)
                 if not fetched:
                     log.debug("plan %d: prefetch of %s failed", plan.id, keys[0])
                     return
                 latency_s = trio.current_time() - started
-                self.link.fetched(time.monotonic(), latency_s, len(keys), sum(lengths))
+                self.link.fetched(time.monotonic(), latency_s, len(keys))
                 self._fetched_total += sum(lengths)
                 self._stats.plan_prefetch_blocks += len(keys)
                 plan.prefetched_blocks += len(keys)
         finally:
             self._inflight_blocks -= len(run)
+            self._inflight_bytes -= self._run_bytes(plan, run)
             for entry, _position in run:
                 key = plan.block_key(entry)
                 self._scheduled[key] -= 1
                 if self._scheduled[key] <= 0:
                     del self._scheduled[key]
             self._sync_counters(plan)
+
+    @staticmethod
+    def _run_bytes(plan: Plan, run: list[tuple[int, int]]) -> int:
+        return sum(plan.block_length(entry) for entry, _position in run)
 
     def _at_hand(self, key: BlockKey) -> bool:
         """Held in memory, in flight or cached: no prefetch needed."""

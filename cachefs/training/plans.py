@@ -132,6 +132,10 @@ class Plan:
         index = key >> _BLOCK_BITS
         return BlockKey(self.files.file_id(index), self.files.version(index), key & ((1 << _BLOCK_BITS) - 1))
 
+    def whole_file(self, key: int) -> bool:
+        """Whether the entry's block is its file, whole (a file no larger than a block)."""
+        return not key & ((1 << _BLOCK_BITS) - 1) and self.files.sizes[key >> _BLOCK_BITS] <= self.block_size
+
     def block_length(self, key: int) -> int:
         return block_length(self.files.sizes[key >> _BLOCK_BITS], key & ((1 << _BLOCK_BITS) - 1), self.block_size)
 

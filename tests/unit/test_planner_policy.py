@@ -142,18 +142,3 @@ def test_plan_prefetch_keeps_the_same_bytes_in_flight_whatever_the_block_size(bl
     link.delivered(1.0, 125e6)
     assert link.concurrency_blocks * block_size >= PREFETCH_INFLIGHT_BYTES
 
-
-def test_plan_prefetch_of_files_smaller_than_a_block_keeps_the_link_busy() -> None:
-    """A sample per file of 32 KiB on 1 MiB blocks: a prefetched block carries 32 KiB, so the
-    link's bandwidth-delay product takes many of them in flight, not the minimum of 2 (the rate
-    measured with 2 in flight would otherwise keep it at 2)."""
-    config = MountConfig(hub_url=parse_hub_url("http://127.0.0.1:8470"), mountpoint=Path("/mnt/c"),
-                         cache_dir=Path("/var/cache/c"), block_size_bytes=1024 * KiB)
-    slots = prefetch_connections(config)
-    link = LinkEstimate(1024 * KiB, slots)
-    for step in range(20):
-        now = 1.0 + step * 0.5
-        link.fetched(now, 0.064, 1, 32 * KiB)
-        # what `concurrency_blocks` requests of 32 KiB deliver per round trip
-        link.delivered(now, link.concurrency_blocks * 32 * KiB / 0.064)
-    assert link.concurrency_blocks == slots
