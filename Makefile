@@ -75,7 +75,7 @@ demo: setup
 	$(BIN)/python scripts/demo.py
 
 # Tests side by side in TEST_WORKERS processes (pytest-xdist): most of a test's time is
-# spent waiting (mounts, emulated round trips, timeouts), so 4 on 2 cores: 277 s against 720 s.
+# spent waiting (mounts, emulated round trips, timeouts), so more workers than cores pay (docs/testing.md).
 TEST_WORKERS ?= 4
 
 test: test-setup

@@ -254,8 +254,8 @@ class MountConfig:
     readahead_blocks: int = 64
     # Read-ahead and a loader's plan may hold this many of the connections;
     # the rest stay free for demand misses, which so never queue behind them.
-    # Read-ahead alone holds at most readahead.READAHEAD_RUNS_IN_FLIGHT (16
-    # runs of at most 4 MiB: 64 MiB of buffers).
+    # Read-ahead alone holds at most READAHEAD_RUNS_IN_FLIGHT (below: 16
+    # runs of at most 4 MiB each).
     prefetch_connections: int = 24
     # Opening a small file prefetches this many files after it in its
     # directory: a directory-order walk then costs a round trip per batch,

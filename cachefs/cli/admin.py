@@ -1,4 +1,4 @@
-"""Operator commands of the CLI: stats, warm, unpin, evict, purge (over the control socket)."""
+"""Operator commands of the CLI: stats, warm, unpin, evict, purge, refresh (over the control socket)."""
 
 from __future__ import annotations
 

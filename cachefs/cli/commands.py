@@ -1,4 +1,4 @@
-"""`cachefs` command line: mount, unmount, stats. User errors are one line, never a traceback."""
+"""`cachefs` command line: the parser, mount, unmount (operator commands: admin.py); errors are one line, not a traceback."""
 
 from __future__ import annotations
 

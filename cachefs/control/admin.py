@@ -1,4 +1,4 @@
-"""Operator commands run inside the daemon: warm, pin, unpin, evict, purge, stats.
+"""Operator commands run inside the daemon: warm (and pin), unpin, evict, purge, refresh, stats.
 
 They arrive over the control socket (server.py). Paths are relative to the
 mount's root, as the CLI sends them.

@@ -1,4 +1,4 @@
-"""The daemon's control socket: operator commands from `cachefs warm/pin/evict/purge/stats`.
+"""The daemon's control socket: operator commands (`cachefs warm`, `unpin`, `evict`, `purge`, `refresh`, `stats`), plans.
 
 A Unix socket `<cache-dir>/control.sock`, mode 0600 in a 0700 directory;
 connections from users other than root and the daemon's owner are refused
