@@ -140,3 +140,47 @@ async def test_without_a_live_node_the_hub_answers_and_its_refusals_are_not_fail
             await client.get_batch([(file_id, version)], [len(source)], 4 * MiB, lambda *_: None)
     finally:
         await client.aclose()
+
+
+@pytest.mark.trio
+async def test_a_node_answering_another_files_bytes_with_their_own_checksums_is_failed_over(
+    hub: HubProcess, dataset: Path, nursery: trio.Nursery
+) -> None:
+    """A node whose cache hands out the wrong entry (its key lost the version, say) answers
+    with that entry's bytes and checksums header, which agree: the ETag says whose they are."""
+    stats = Stats()
+    client = tier(hub, [hub.url], stats)
+    entries = {}
+    async for line in client.manifest_lines():
+        entry = json.loads(line)
+        entries[entry.get("p")] = entry
+    await client.aclose()
+    asked, other = entries[SHARD], entries["shards/shard-001.bin"]  # 3 MiB + 17 and 2 MiB
+    wrong = f"{other['i']}?v={other['v']}".encode()
+
+    async def misplaced(stream: trio.SocketStream) -> None:
+        async with stream:
+            head = await read_request_head(stream)
+            if head is None:
+                return
+            head = head.replace(f"{asked['i']}?v={asked['v']}".encode(), wrong)
+            head = head.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1)
+            upstream = await trio.open_tcp_stream(hub.host, hub.port)
+            async with upstream:
+                await upstream.send_all(head)
+                try:
+                    while data := await upstream.receive_some(65536):
+                        await stream.send_all(data)
+                except trio.BrokenResourceError:
+                    pass  # the spoke hung up on the answer
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, misplaced, 0, host="127.0.0.1"))
+    stats = Stats()
+    client = tier(hub, [f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"], stats)
+    source = (dataset / SHARD).read_bytes()
+    try:
+        pieces, sums = await client.get_range(asked["i"], asked["v"], 0, [MiB], sums_block_size=MiB)
+        assert bytes(pieces[0]) == source[:MiB]
+        assert stats.tier_failovers["0"] == 1 and stats.tier_requests[HUB] == 1
+    finally:
+        await client.aclose()

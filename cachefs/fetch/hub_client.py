@@ -310,6 +310,7 @@ class HubClient:
             _refuse_changed(response.status, file_id)
             await self._expect(response, conn, 206)
             _check_content_range(response.headers.get(b"content-range", b""), start, length)
+            _check_etag(response.headers.get(b"etag"), f"{file_id}-{version}", f"file {file_id} at {start}")
             if response.headers.get(b"content-length") != str(length).encode():
                 raise HubProtocolError(f"hub answered {start}+{length} of file {file_id} without a matching Content-Length")
             sums_header = response.headers.get(SUMS_HEADER)
@@ -386,6 +387,8 @@ class HubClient:
         async with self._request(target) as (response, conn):
             _refuse_changed(response.status, file_id)
             await self._expect(response, conn, 200)
+            _check_etag(response.headers.get(b"etag"), f"{file_id}-{version}-{block_size}-{first}-{count}",
+                        f"the checksums of file {file_id}")
             async for chunk in self._body(conn):
                 body += chunk
                 if len(body) > 8 * count:
@@ -619,6 +622,19 @@ def _check_content_range(value: bytes, start: int, length: int) -> None:
     match = _CONTENT_RANGE_RE.match(value.strip())
     if not match or int(match.group(1)) != start or int(match.group(2)) != start + length - 1:
         raise HubProtocolError(f"hub answered range {value!r}, asked for {start}+{length}")
+
+
+def _check_etag(value: bytes | None, expected: str, what: str) -> None:
+    """Refuse an answer whose ETag names another file, version or span than the one asked
+    for: the hub's ETag names them (hubserver/handlers.py, checksums.py), and a cache in
+    between (a tier node whose cache key lost the version, say) passes on the ETag of what
+    it cached, with that answer's own checksums header, which the bytes would then pass.
+    An answer without ETag (a proxy that drops it) is taken as before."""
+    if value is None:
+        return
+    tag = value.strip().removeprefix(b"W/")
+    if tag != f'"{expected}"'.encode():
+        raise HubProtocolError(f"hub answered {what} with the ETag {bytes(tag[:80])!r}, not of what was asked")
 
 
 def parse_json(data: bytes) -> dict[str, Any]:
