@@ -29,11 +29,13 @@ class HubProtocolError(HubError):
 
 
 class HubStatusError(HubError):
-    """The hub answered with an unexpected HTTP status."""
+    """The hub answered with an unexpected HTTP status (`from_hub`: with the hub's own JSON
+    error, not a page of a proxy or cache node in between)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, from_hub: bool = True) -> None:
         super().__init__(message)
         self.status = status
+        self.from_hub = from_hub
 
     @property
     def retryable(self) -> bool:

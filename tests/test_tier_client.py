@@ -184,3 +184,35 @@ async def test_a_node_answering_another_files_bytes_with_their_own_checksums_is_
         assert stats.tier_failovers["0"] == 1 and stats.tier_requests[HUB] == 1
     finally:
         await client.aclose()
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("status", [b"403 Forbidden", b"404 Not Found"])
+async def test_a_node_s_own_refusal_is_failed_over_not_taken_for_the_hub_s(
+    hub: HubProcess, dataset: Path, nursery: trio.Nursery, status: bytes
+) -> None:
+    """A node that refuses the spoke itself (its allow list without the spoke's network, a URL
+    that reaches nginx's default site) answers with a page of its own, not the hub's JSON
+    error: the read goes to the next node or the hub, and the node is counted as failed."""
+
+    async def refusing(stream: trio.SocketStream) -> None:
+        async with stream:
+            if await read_request_head(stream) is None:
+                return
+            page = b"<html><body>nginx</body></html>"
+            await stream.send_all(b"HTTP/1.1 " + status + b"\r\nContent-Type: text/html\r\nContent-Length: "
+                                  + str(len(page)).encode() + b"\r\nConnection: close\r\n\r\n" + page)
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, refusing, 0, host="127.0.0.1"))
+    stats = Stats()
+    client = tier(hub, [f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"], stats)
+    file_id, version = await shard_record(client)
+    source = (dataset / SHARD).read_bytes()
+    try:
+        pieces, _ = await client.get_range(file_id, version, 0, [MiB])
+        assert bytes(pieces[0]) == source[:MiB]
+        assert len(await client.get_checksums(file_id, version, MiB, 0, 4)) == 4
+        assert stats.tier_failovers["0"] == 1 and stats.tier_requests[HUB] == 2  # skipped for a while after it
+    finally:
+        await client.aclose()
+

@@ -307,7 +307,7 @@ class HubClient:
             target += f"&bs={sums_block_size}"
         headers = [(b"Range", f"bytes={start}-{start + length - 1}".encode())]
         async with self._request(target, headers) as (response, conn):
-            _refuse_changed(response.status, file_id)
+            _refuse_changed(response, file_id)
             await self._expect(response, conn, 206)
             _check_content_range(response.headers.get(b"content-range", b""), start, length)
             _check_etag(response.headers.get(b"etag"), f"{file_id}-{version}", f"file {file_id} at {start}")
@@ -385,7 +385,7 @@ class HubClient:
         target = f"/v1/files/{file_id}/checksums?v={version}&bs={block_size}&first={first}&count={count}"
         body = bytearray()
         async with self._request(target) as (response, conn):
-            _refuse_changed(response.status, file_id)
+            _refuse_changed(response, file_id)
             await self._expect(response, conn, 200)
             _check_etag(response.headers.get(b"etag"), f"{file_id}-{version}-{block_size}-{first}-{count}",
                         f"the checksums of file {file_id}")
@@ -519,7 +519,8 @@ class HubClient:
             message = str(json.loads(body).get("error", ""))
         except (ValueError, AttributeError):
             message = bytes(body[:200]).decode("utf-8", "replace")
-        raise HubStatusError(response.status, f"hub answered {response.status}: {_one_line(message)}".rstrip(": "))
+        raise HubStatusError(response.status, f"hub answered {response.status}: {_one_line(message)}".rstrip(": "),
+                             from_hub=_from_hub(response))
 
 
 def _one_line(text: str, limit: int = 200) -> str:
@@ -609,13 +610,19 @@ def _parse_batch_sums(value: bytes, count: int) -> list[int]:
     return [int(text, 16) for text in sums]
 
 
-def _refuse_changed(status: int, file_id: str) -> None:
+def _refuse_changed(response: _Response, file_id: str) -> None:
     """RemoteFileChanged for a file of the mounted snapshot that the hub no longer serves as
-    it was: another version (412), or none at all after a rescan removed it (404)."""
-    if status == 412:
+    it was: another version (412), or none at all after a rescan removed it (404: only the
+    hub's own answer, JSON, says so; a proxy's or cache node's 404 page is not about the file)."""
+    if response.status == 412:
         raise RemoteFileChanged(f"file {file_id} changed on the hub (412)")
-    if status == 404:
+    if response.status == 404 and _from_hub(response):
         raise RemoteFileChanged(f"file {file_id} is no longer on the hub (404)")
+
+
+def _from_hub(response: _Response) -> bool:
+    """Whether an error answer is the hub's own (its errors are JSON: docs/protocol.md)."""
+    return response.headers.get(b"content-type", b"").split(b";")[0].strip() == b"application/json"
 
 
 def _check_content_range(value: bytes, start: int, length: int) -> None:

@@ -226,10 +226,13 @@ class TierClient(HubClient):
                 self._node_failed(node, exc, file_id, offset, skip=True)
                 continue
             except HubStatusError as exc:
-                if exc.status not in FAILOVER_STATUSES:
-                    raise
-                self._node_failed(node, exc, file_id, offset, skip=False)  # the node is up; the hub is slow or away
-                continue
+                if exc.status in FAILOVER_STATUSES:  # the node is up; the hub is slow or away
+                    self._node_failed(node, exc, file_id, offset, skip=False)
+                    continue
+                if not exc.from_hub:  # the node's own refusal (403, a 404 page): not to be asked for now
+                    self._node_failed(node, exc, file_id, offset, skip=True)
+                    continue
+                raise
             if self._down_until[node]:
                 log.info("tier node %s answers again", self._nodes[node].url)
                 self._down_until[node] = 0.0
