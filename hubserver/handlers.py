@@ -198,13 +198,15 @@ class SnapshotFileResponse(web.StreamResponse):
     not acted on: the version in the URL is the validator.
     """
 
-    def __init__(self, fd: int, record: FileRecord, byte_range: tuple[int, int] | None) -> None:
+    def __init__(self, fd: int, record: FileRecord, byte_range: tuple[int, int] | None, versioned: bool) -> None:
         first, last = byte_range if byte_range is not None else (0, record.size_bytes - 1)
         super().__init__(
             status=206 if byte_range is not None else 200,
             headers={
                 hdrs.CONTENT_TYPE: "application/octet-stream",
-                hdrs.CACHE_CONTROL: IMMUTABLE_CACHE_CONTROL,
+                # Only a URL naming the version never changes content; without `v` it is the
+                # current one's, which a cache in between must not keep.
+                hdrs.CACHE_CONTROL: IMMUTABLE_CACHE_CONTROL if versioned else "no-store",
                 hdrs.ACCEPT_RANGES: "bytes",
                 hdrs.ETAG: f'"{record.file_id}-{record.version}"',
             },
@@ -321,7 +323,7 @@ async def file_data(request: web.Request) -> web.StreamResponse:
         return unavailable(record, exc)
     try:
         byte_range = parse_range(range_header, record.size_bytes)
-        return SnapshotFileResponse(fd, record, byte_range)
+        return SnapshotFileResponse(fd, record, byte_range, versioned="v" in request.query)
     except RangeNotSatisfiable as exc:
         os.close(fd)
         return json_error(

@@ -363,6 +363,9 @@ def test_every_served_file_is_the_file_at_its_path(tree_hub: HubProcess, manifes
         assert reply.headers["cache-control"] == IMMUTABLE
         assert reply.headers["accept-ranges"] == "bytes"
         assert int(reply.headers["content-length"]) == len(contents[str(entry["p"])])
+        # Without the version, the URL's content changes with the file: no cache may keep it.
+        unversioned = get(tree_hub, file_url(entry, version=False))
+        assert unversioned.body == reply.body and unversioned.headers["cache-control"] == "no-store"
 
 
 def test_whole_file_without_version(tree_hub: HubProcess, big) -> None:
