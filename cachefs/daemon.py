@@ -38,7 +38,7 @@ from .fetch.hub_client import ClientOptions, HubClient
 from .fetch.tier_client import TierClient
 from .fs.failed_reads import FailedReads
 from .fs.mountpoints import find_mount
-from .fs.operations import CachefsOperations
+from .fs.operations import CachefsOperations, drop_kernel_pages
 from .fs.passthrough import Passthrough
 from .fs.reverify import Reverifier
 from .metrics import Stats, cache_gauges, process_usage, serve_metrics, training_gauges
@@ -252,7 +252,7 @@ async def _serve(
             # Every tenant's name, pid and activity: not for everyone who may read the mount.
             tenants = {"tenants": lambda: share.snapshot(cache.used_bytes(), cache.pinned_bytes())}
             admin = Admin(config, namespace, cache, fetcher, stats, refresh=refresh, sections=sections,
-                          private_sections=tenants)
+                          private_sections=tenants, drop_pages=drop_kernel_pages)
             await nursery.start(passthrough.run_verifier)
             if passthrough.enabled:
                 reverifier = Reverifier(cache, passthrough, fetcher, stats, interval_s=config.reverify_interval_s,

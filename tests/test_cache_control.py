@@ -236,6 +236,23 @@ def test_evict_and_purge_leave_no_cached_byte(hub, dataset: Path, tmp_path: Path
         read_all(spoke, dataset, ["shards/shard-001.bin"])
 
 
+def test_evict_and_purge_drop_the_kernels_pages(hub, dataset: Path, tmp_path: Path) -> None:
+    """A file read through the mount is in the kernel's page cache: after evict or purge a reader
+    gets its bytes from the hub again, not from memory the purge left behind."""
+    relative = "shards/shard-001.bin"
+    size = (dataset / relative).stat().st_size
+    with mounted_spoke(hub.url, tmp_path, (*PLAIN_ARGS, "--no-passthrough")) as spoke:
+        source = (dataset / relative).read_bytes()
+        for command in (("evict", spoke.mountpoint / relative), ("purge", "--all", spoke.mountpoint)):
+            assert (spoke.mountpoint / relative).read_bytes() == source  # through the page cache
+            wait_for_stats(spoke, lambda stats: stats["cached_bytes"] >= size)
+            before = spoke.stats()["fetched_bytes"]
+            done = run_cachefs(*command)
+            assert done.returncode == 0, done.stderr
+            assert (spoke.mountpoint / relative).read_bytes() == source
+            assert spoke.stats()["fetched_bytes"] - before >= size, command
+
+
 def cache_contains(cache_dir: Path, marker: bytes) -> bool:
     for path in cache_dir.rglob("*"):
         if path.is_file() and not path.is_socket() and marker in path.read_bytes():

@@ -43,8 +43,12 @@ class Admin:
         refresh: Callable[[], Awaitable[dict[str, Any]]] | None = None,
         sections: dict[str, Callable[[], dict[str, Any]]] | None = None,
         private_sections: dict[str, Callable[[], dict[str, Any]]] | None = None,
+        drop_pages: Callable[[list[int]], None] | None = None,
     ) -> None:
         self._config = config
+        # Makes the kernel drop its page cache of these inodes (a worker thread): after an evict
+        # or purge a reader gets the bytes from the hub again, not from memory.
+        self._drop_pages = drop_pages
         self._namespace = namespace
         self._cache = cache
         self._fetcher = fetcher
@@ -66,6 +70,10 @@ class Admin:
         }
 
     # -- helpers --------------------------------------------------------------------
+
+    async def _drop_kernel_pages(self, files: list[Inode]) -> None:
+        if self._drop_pages is not None and files:
+            await trio.to_thread.run_sync(self._drop_pages, [entry.ino for entry in files])
 
     async def _files_in_thread(self, paths: Any) -> list[Inode]:
         """`_files` in a worker thread: a directory of a million files takes seconds to walk."""
@@ -183,6 +191,7 @@ class Admin:
         freed = 0
         for file_id in file_ids:
             freed += await trio.to_thread.run_sync(self._cache.evict_file, file_id)
+        await self._drop_kernel_pages(files)
         return {"files": len(files), "freed_bytes": freed}
 
     async def purge(self, request: dict[str, Any], progress: Progress) -> dict[str, Any]:
@@ -192,6 +201,7 @@ class Admin:
         self._fetcher.discard_pending(lambda key: True)
         await trio.to_thread.run_sync(self._cache.unpin, self._cache.pinned_file_ids())
         blocks = await trio.to_thread.run_sync(self._cache.purge)
+        await self._drop_kernel_pages(await self._files_in_thread([""]))
         log.info("purged %d cached blocks", blocks)
         return {"purged_blocks": blocks}
 

@@ -78,6 +78,13 @@ def _forget_in_kernel(invalidate: Callable[..., None], *args: Any) -> bool:
 _forget_attributes = functools.partial(pyfuse3.invalidate_inode, attr_only=True)
 
 
+def drop_kernel_pages(inodes: list[int]) -> None:
+    """Make the kernel drop the pages (and attributes) it holds of these inodes (a worker thread):
+    `cachefs evict` and `purge` leave no dataset bytes in memory for a reader to be served."""
+    for ino in inodes:
+        _forget_in_kernel(pyfuse3.invalidate_inode, ino)
+
+
 async def _read_only_async(*_args: Any, **_kwargs: Any) -> Any:
     raise pyfuse3.FUSEError(errno.EROFS)
 
