@@ -362,7 +362,7 @@ async def _serve_fuse(scope: trio.CancelScope) -> None:
 
 def _ssl_context(config: MountConfig) -> ssl.SSLContext | None:
     """Verification of the hub's certificate (system CAs or --ca-file), client cert for mTLS."""
-    if not config.hub_url.tls:
+    if not any(url.tls for url in (config.hub_url, *config.tier_urls)):
         return None
     try:
         context = ssl.create_default_context(cafile=str(config.ca_file) if config.ca_file else None)

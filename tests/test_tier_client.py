@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import ssl
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -216,3 +217,22 @@ async def test_a_node_s_own_refusal_is_failed_over_not_taken_for_the_hub_s(
     finally:
         await client.aclose()
 
+
+@pytest.mark.trio
+async def test_http_nodes_beside_an_https_hub_are_spoken_to_in_plain_http(hub: HubProcess, dataset: Path) -> None:
+    """The documented setup (docs/regional-tier.md): `https://` hub, `http://` nodes. The hub's TLS
+    settings are for https:// URLs only; a node at an http:// URL gets no TLS handshake."""
+    stats = Stats()
+    https_hub = parse_hub_url(dead_url().replace("http://", "https://"))  # never asked: the node answers
+    client = TierClient(https_hub, [parse_hub_url(hub.url)], slice_bytes=MiB, stats=stats, max_connections=8,
+                        connect_timeout_s=5, read_timeout_s=5, ssl_context=ssl.create_default_context())
+    plain = tier(hub, [], Stats())
+    file_id, version = await shard_record(plain)
+    await plain.aclose()
+    source = (dataset / SHARD).read_bytes()
+    try:
+        pieces, _ = await client.get_range(file_id, version, 0, [MiB])
+        assert bytes(pieces[0]) == source[:MiB]
+        assert stats.tier_requests["0"] == 1 and stats.tier_failovers["0"] == 0
+    finally:
+        await client.aclose()

@@ -259,7 +259,9 @@ class HubClient:
         self._take = buffers.take if buffers is not None else unfilled_buffer  # what a block's bytes are received into
         if url.tls and ssl_context is None:
             ssl_context = ssl.create_default_context()
-        self._ssl_context = ssl_context
+        # TLS for https:// URLs only: a regional tier's http:// nodes beside an https:// hub
+        # share its options, and a TLS handshake with them would fail every time.
+        self._ssl_context = ssl_context if url.tls else None
         self._auth_header = [(b"Authorization", b"Bearer " + token.encode())] if token else []
         self._connect_timeout_s = connect_timeout_s
         self._read_timeout_s = read_timeout_s
