@@ -168,6 +168,11 @@ def test_tls_is_verified_and_mutual_tls_works(dataset: Path, tmp_path: Path) -> 
         assert_clean_failure(untrusted, "failed TLS verification")
         no_client_cert = run_cachefs("mount", url, tmp_path / "m", "--cache-dir", tmp_path / "c2", "--ca-file", ca[2])
         assert_clean_failure(no_client_cert, "cannot get the manifest")
+        # TLS options with no https:// URL are refused, not ignored while the data goes in clear.
+        in_clear = run_cachefs("mount", hub.url.replace("https://", "http://"), tmp_path / "m",
+                               "--cache-dir", tmp_path / "c3", *tls_args)
+        assert in_clear.returncode == 2
+        assert_clean_failure(in_clear, "nothing would use --ca-file, --tls-cert, --tls-key: they are for https://")
 
 
 class CuttingProxy:

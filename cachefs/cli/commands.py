@@ -265,6 +265,13 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
     cache_max = parse_size(args.cache_max) if args.cache_max is not None else None
     if cache_min > min(cache_size, cache_max or cache_size):
         raise UsageError(f"--cache-min {args.cache_min} is more than --cache-max or --cache-size")
+    tier_urls = parse_tier(args.tier, hub_url)
+    tls_options = [flag for flag, value in (("--ca-file", args.ca_file), ("--tls-cert", args.tls_cert),
+                                            ("--tls-key", args.tls_key)) if value is not None]
+    if tls_options and not any(url.tls for url in (hub_url, *tier_urls)):
+        # Not silently ignored: whoever gave them expects the connection to be encrypted.
+        raise UsageError(f"nothing would use {', '.join(tls_options)}: they are for https:// URLs, and the hub "
+                         "URL (and every --tier) is http://")
     return MountConfig(
         hub_url=hub_url,
         mountpoint=Path(os.path.abspath(args.mountpoint)),
@@ -280,7 +287,7 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
         sibling_prefetch_files=args.prefetch_siblings,
         refresh_interval_s=args.refresh_interval,
         manifest_wait_s=args.manifest_wait,
-        tier_urls=parse_tier(args.tier, hub_url),
+        tier_urls=tier_urls,
         tier_slice_bytes=validate_tier_slice(parse_size(args.tier_slice)),
         metrics_listen=parse_listen(args.metrics_listen) if args.metrics_listen else None,
         token=read_token(args.token_file) if args.token_file else _env_token(),
