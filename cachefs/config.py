@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import grp
+import os
 import pwd
 import re
+import stat
 import urllib.parse
 from pathlib import Path
 
@@ -66,16 +68,18 @@ class HubURL:
 
 
 def parse_hub_url(text: str) -> HubURL:
-    """Validate a hub URL (http or https; credentials never go in it)."""
+    """Validate a hub URL (http or https; credentials never go in it, and a refused URL is
+    shown without its user info and query, which might hold one)."""
+    parts = urllib.parse.urlsplit(text)
+    if "@" in parts.netloc:
+        raise UsageError("credentials do not belong in the hub URL (they would show in `ps`): use --token-file")
+    text = urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))  # as shown in messages
     try:
-        parts = urllib.parse.urlsplit(text)
         port = parts.port
     except ValueError as exc:
         raise UsageError(f"invalid hub URL {text!r}: {exc}") from None
     if parts.scheme not in ("http", "https"):
         raise UsageError(f"invalid hub URL {text!r}: expected http://HOST[:PORT] or https://HOST[:PORT]")
-    if parts.username or parts.password:
-        raise UsageError("credentials do not belong in the hub URL (they would show in `ps`): use --token-file")
     if not parts.hostname:
         raise UsageError(f"invalid hub URL {text!r}: no host name")
     try:
@@ -97,15 +101,37 @@ def checked_token(token: str, source: str) -> str:
     return token
 
 
+def read_private_file(path: Path, what: str) -> bytes:
+    """A secret's file (a token, a TLS key): a regular file (opened without waiting: a FIFO
+    is refused, not read forever) that group and others cannot read."""
+    try:
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as source:
+            info = os.fstat(source.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise UsageError(f"{what} {path} is not a regular file")
+            if info.st_mode & 0o077:
+                raise UsageError(f"{what} {path} is readable by group or others; chmod 600 it")
+            return source.read()
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path}: {exc.strerror}") from None
+
+
+def check_regular_file(path: Path, what: str) -> None:
+    """A certificate's file must be a regular file one can read (a FIFO would block the mount)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {path}: {exc.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UsageError(f"{what} {path} is not a regular file")
+    finally:
+        os.close(fd)
+
+
 def read_token(path: Path) -> str:
     """The bearer token in a file: its first non-empty, non-comment line."""
-    try:
-        info = path.stat()
-        text = path.read_text()
-    except OSError as exc:
-        raise UsageError(f"cannot read token file {path}: {exc.strerror}") from None
-    if info.st_mode & 0o077:
-        raise UsageError(f"token file {path} is readable by group or others; chmod 600 it")
+    text = read_private_file(path, "token file").decode("utf-8", "replace")
     for line in text.splitlines():
         line = line.strip()
         if line and not line.startswith("#"):

@@ -78,6 +78,18 @@ def test_token_is_required_and_never_shown(dataset: Path, tmp_path: Path) -> Non
     (tmp_path / "m3").mkdir()
     assert_clean_failure(run_cachefs("mount", "http://127.0.0.1:1", tmp_path / "m3", "--cache-dir", tmp_path / "c3",
                                      "--token-file", loose), "chmod 600")
+    # A TLS key others may read is refused as a token file is; a FIFO as either is refused, not read forever.
+    assert_clean_failure(run_cachefs("mount", "https://127.0.0.1:1", tmp_path / "m3", "--cache-dir", tmp_path / "c3",
+                                     "--tls-cert", loose, "--tls-key", loose), "--tls-key")
+    os.mkfifo(tmp_path / "fifo", 0o600)
+    for option in ("--token-file", "--tls-key", "--ca-file"):
+        assert_clean_failure(run_cachefs("mount", "https://127.0.0.1:1", tmp_path / "m3", "--cache-dir",
+                                         tmp_path / "c3", option, tmp_path / "fifo", timeout_s=20),
+                             "is not a regular file")
+    # A refused hub URL is shown without what might be a credential in it.
+    for url in ("https://hub.example:99999/?token=S3CRETQ", "ftp://hub.example/x?token=S3CRETQ#S3CRETF"):
+        refused = run_cachefs("mount", url, tmp_path / "m3", "--cache-dir", tmp_path / "c3")
+        assert refused.returncode != 0 and "invalid hub URL" in refused.stderr and "S3CRET" not in refused.stderr
 
 
 PLAIN_HTTP_WARNING = "the hub token goes to"
