@@ -468,8 +468,12 @@ async def expire_unread_read_ahead(held: HeldBlocks) -> None:
 
 
 async def _terminate_on_signal() -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
+            if signum == signal.SIGHUP:  # what reloads a hub's tokens must not end a mount
+                log.warning("received SIGHUP: nothing is reloaded (the token and options are read at mount: "
+                            "remount to change them)")
+                continue
             log.info("received %s; unmounting", signal.Signals(signum).name)
             pyfuse3.terminate()
             return

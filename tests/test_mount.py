@@ -7,6 +7,7 @@ import errno
 import mmap
 import os
 import random
+import shlex
 import shutil
 import signal
 import stat
@@ -23,11 +24,12 @@ import pytest
 from conftest import SPOKE_ARGS
 from dataset import TEST_BLOCK_SIZE, source_files
 from fault_proxy import running_fault_proxy
-from hub_helpers import fetch_manifest, running_hub, sample, scrape_metrics
+from hub_helpers import fetch_manifest, hub_env, running_hub, sample, scrape_metrics, wait_until
 from mount_helpers import (
     SpokeMount,
     cache_data_files,
     cache_disk_bytes,
+    cachefs_command,
     evict_from_page_cache,
     is_mounted,
     mount_spoke,
@@ -800,10 +802,18 @@ def test_index_of_an_older_version_is_dropped_not_misread(hub, dataset: Path, tm
     assert "from an older cachefs: dropped its" in (cache_dir / "cachefs.log").read_text()
 
 
-def test_sigterm_unmounts(hub, tmp_path: Path) -> None:
+def test_sighup_is_no_reload_and_sigterm_unmounts(hub, tmp_path: Path) -> None:
+    """SIGHUP (what reloads a hub's tokens) is logged and changes nothing; SIGTERM unmounts. And
+    `cachefs stats | head -1` ends without a traceback."""
     with mounted_spoke(hub.url, tmp_path, SPOKE_ARGS) as spoke:
         assert spoke.pid is not None
-        os.kill(spoke.pid, 15)
+        os.kill(spoke.pid, signal.SIGHUP)
+        assert wait_until(lambda: "received SIGHUP: nothing is reloaded" in spoke.log_text(), 10)
+        assert is_mounted(spoke.mountpoint) and os.listdir(spoke.mountpoint)
+        head = subprocess.run(f"{shlex.join(cachefs_command('stats', spoke.mountpoint))} | head -1", shell=True,
+                              capture_output=True, text=True, env=hub_env(), timeout=60)
+        assert head.stdout.count("\n") == 1 and "Traceback" not in head.stderr, head.stderr
+        os.kill(spoke.pid, signal.SIGTERM)
         for _ in range(200):
             if not is_mounted(spoke.mountpoint):
                 break

@@ -216,6 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("cachefs: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `cachefs stats | head`: the reader is gone, and so is the rest of the output
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no traceback at exit's flush either
+        return 1
 
 
 # -- mount ----------------------------------------------------------------------
