@@ -56,6 +56,12 @@ def test_token_is_required_and_never_shown(dataset: Path, tmp_path: Path) -> Non
             assert (spoke.mountpoint / relative).read_bytes() == (dataset / relative).read_bytes()
             assert TOKEN not in spoke.log_text()
             assert TOKEN not in " ".join(Path(f"/proc/{spoke.pid}/cmdline").read_text().split("\0"))
+        # A cache dir holding the snapshot, and a token the hub turns down: refused, not mounted offline.
+        wrong = write_private(tmp_path / "wrong-token", "not-the-token-0123456789abcdef\n")
+        turned_down = run_cachefs("mount", hub.url, tmp_path / "bare", "--cache-dir", tmp_path / "mnt-cache",
+                                  *SPOKE_ARGS, "--token-file", wrong)
+        assert turned_down.returncode == 1 and "refused this spoke" in turned_down.stderr.splitlines()[-1]
+        assert not is_mounted(tmp_path / "bare")
         assert TOKEN not in hub.stderr_text()
         (tmp_path / "env").mkdir()
         env_mount = subprocess.run(

@@ -27,7 +27,7 @@ import trio
 from ..cache import BlockCache
 from ..config import MountConfig
 from ..db import NamespaceDb, put_meta
-from ..errors import CachefsError, HubError, HubProtocolError, HubUnavailable
+from ..errors import CachefsError, HubError, HubProtocolError, HubStatusError, HubUnavailable
 from ..fetch.hub_client import HubClient, parse_json
 from .loader import ChildFailed, load_in_child
 from .tree import Changes, ManifestSummary, Namespace, load_manifest
@@ -81,6 +81,10 @@ class Snapshots:
                                               self._config.manifest_wait_s if stored else math.inf)
         except (CachefsError, trio.TooSlowError) as exc:  # the hub, or no room for its manifest
             reason = str(exc) or f"not complete within {self._config.manifest_wait_s:g} s"
+            if isinstance(exc, HubStatusError) and exc.status in (401, 403):
+                # Refused, not unreachable: no offline mount on a token or certificate the hub turned down.
+                raise HubError(f"hub {self._config.hub_url} refused this spoke ({reason}): check its token "
+                               "or client certificate") from None
             if stored is None:
                 if isinstance(exc, CachefsError) and not isinstance(exc, HubError):
                     raise
