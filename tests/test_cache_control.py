@@ -141,15 +141,19 @@ def test_stats_show_the_bytes_cached_under_each_top_level_directory(hub, dataset
     read = ["shards/shard-000.bin", "small/dir 1/file-03.dat", "a/b/c/d/leaf.txt", "with space.txt"]
     size = {relative: (dataset / relative).stat().st_size for relative in read}
     with mounted_spoke(hub.url, tmp_path, PLAIN_ARGS) as spoke:
+        started = int(time.time())
         read_all(spoke, dataset, read)
         wait_for_stats(spoke, lambda stats: stats["cached_bytes"] == sum(size.values()))  # the writer commits just after
         shown = run_cachefs("stats", "--json", spoke.mountpoint)
         assert shown.returncode == 0, shown.stderr
         usage = json.loads(shown.stdout)["usage_by_top_level_bytes"]
+        assert started <= json.loads(shown.stdout)["oldest_cached_unix"] <= time.time()  # how long bytes are here
         process = json.loads(shown.stdout)["process"]  # the daemon's own CPU time and memory
         assert 0 < process["loop_cpu_s"] <= process["cpu_s"] and process["peak_rss_kib"] > 10_000
         text = run_cachefs("stats", spoke.mountpoint).stdout
         assert re.search(r"daemon +[0-9.]+ CPU-s \([0-9.]+ on the event loop\), peak RSS [0-9.]+ MiB", text), text
+        assert re.search(r"oldest block cached +20\d\d-\d\d-\d\d \d\d:\d\d UTC or later \(0 h [0-9]+ min ago at most\)",
+                         text), text
     assert usage == {"shards": size[read[0]], "small": size[read[1]], "a": size[read[2]], ".": size[read[3]]}
 
 

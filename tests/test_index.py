@@ -12,6 +12,7 @@ import pytest
 from cache_helpers import block_cache
 
 from cachefs.cache import BlockCache, BlockKey
+from cachefs.cache import index as index_module
 
 BLOCK = 4096
 FILE_ID, NEXT_FILE_ID = b"\x01" * 8, b"\x01" * 7 + b"\x02"
@@ -165,3 +166,27 @@ def test_a_block_evicted_while_it_is_read_is_a_miss_found_without_the_cache_lock
         reader.join(timeout=5)
         assert not reader.is_alive(), "the read waited for the cache lock"
     assert results == [None]
+
+
+def test_the_index_knows_when_its_oldest_block_was_cached(cache: BlockCache, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cachefs stats` says how long dataset bytes have been on this node: the oldest block's
+    time, a lower bound within index.CLOCK_STEP_S, kept as eviction moves the oldest on."""
+    index = cache.index
+    keys = [BlockKey(FILE_ID, VERSION, blockno) for blockno in range(6)]
+    assert index.cached_since() is None  # nothing cached
+    index.add([(keys[0], BLOCK, b"")])  # a caller that gives no time (an older cachefs): unknown
+    assert index.cached_since() is None
+    start = 1_800_000_000
+    for position, at_s in ((1, start), (2, start + 100), (3, start + index_module.CLOCK_STEP_S + 1)):
+        index.add([(keys[position], BLOCK, b"")], at_s=at_s)
+    assert index.cached_since() is None  # keys[0] has no time
+    index.remove(keys[0])
+    assert index.cached_since() == start  # keys[1] and keys[2]: one mark of the first batch's time
+    index.remove_many(keys[1:3])
+    assert index.cached_since() == start + index_module.CLOCK_STEP_S + 1
+    monkeypatch.setattr(index_module, "CLOCK_MAX_MARKS", 4)  # a long life: old marks thinned, never too late
+    for step in range(2, 8):
+        index.add([(keys[4 + step % 2], BLOCK, b"")], at_s=start + step * index_module.CLOCK_STEP_S + 1)
+    assert index.cached_since() == start + index_module.CLOCK_STEP_S + 1  # keys[3]'s mark is kept
+    index.remove(keys[3])
+    assert start + 2 * index_module.CLOCK_STEP_S < index.cached_since() <= start + 7 * index_module.CLOCK_STEP_S + 1

@@ -779,6 +779,10 @@ class BlockCache:
     def used_bytes(self) -> int:
         return self.index.used_bytes()
 
+    def cached_since(self) -> int | None:
+        """Unix time at or after which the oldest cached block was cached (None: unknown or none)."""
+        return self.index.cached_since()
+
     def block_count(self) -> int:
         return self.index.block_count()
 

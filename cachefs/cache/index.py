@@ -3,6 +3,7 @@ and which file versions were verified whole since the machine booted."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import struct
 from collections.abc import Container, Generator, Iterable, Iterator, Sequence
@@ -17,6 +18,13 @@ _SEQ = struct.Struct(">Q")
 _USED = b"used_bytes"
 _COUNT = b"block_count"
 _NEXT_SEQ = b"next_seq"
+# When blocks were cached: (insertion number, unix time) marks, one per CLOCK_STEP_S at
+# most; a block numbered from a mark on was cached at or after its time. Marks older than
+# the oldest block are dropped, and past CLOCK_MAX_MARKS every other old one (coarser).
+_CLOCK = b"seq_clock"
+_MARK = struct.Struct(">QQ")
+CLOCK_STEP_S = 600
+CLOCK_MAX_MARKS = 8192
 _FILE_VERSION_BYTES = 16  # a packed BlockKey starts with file id + version
 
 
@@ -62,6 +70,8 @@ class BlockIndex:
         block's version loses its record.
         """
         with self._db.env.begin(write=True) as txn:
+            if entries and at_s > 0:
+                _mark_time(txn, self._db, _counter(txn, self._db, _NEXT_SEQ), int(at_s))
             for key, length, chunk_sums in entries:
                 packed = key.packed()
                 old = txn.get(packed, db=self._db.blocks)
@@ -194,6 +204,18 @@ class BlockIndex:
             for packed, value in txn.cursor():
                 yield BlockKey.unpack(packed), _ENTRY_HEAD.unpack_from(value)[0]
 
+    def cached_since(self) -> int | None:
+        """Unix time at or after which the oldest cached block was cached; None without blocks,
+        or for blocks cached before these times were kept."""
+        with self._db.env.begin() as txn:
+            cursor = txn.cursor(db=self._db.fifo)
+            if not cursor.first():
+                return None
+            oldest = _SEQ.unpack(cursor.key())[0]
+            marks = _marks(txn, self._db)
+        at = bisect.bisect_right([seq for seq, _at in marks], oldest) - 1
+        return marks[at][1] if at >= 0 else None
+
     def iter_keys(self) -> Iterator[BlockKey]:
         with self._db.env.begin(db=self._db.blocks) as txn:
             for packed in txn.cursor().iternext(keys=True, values=False):
@@ -240,6 +262,28 @@ def _parse_verified(value: bytes) -> tuple[bytes, float]:
 def _has_seq(txn: object, db: IndexDb, key: BlockKey, seq: int) -> bool:
     value = txn.get(key.packed(), db=db.blocks)  # type: ignore[attr-defined]
     return value is not None and IndexEntry.unpack(value).seq == seq
+
+
+def _marks(txn: object, db: IndexDb) -> list[tuple[int, int]]:
+    value = txn.get(_CLOCK, db=db.meta)  # type: ignore[attr-defined]
+    return list(_MARK.iter_unpack(value)) if value else []
+
+
+def _mark_time(txn: object, db: IndexDb, seq: int, at_s: int) -> None:
+    """Note that blocks from insertion number `seq` on are cached at or after `at_s`."""
+    marks = _marks(txn, db)
+    if marks and at_s < marks[-1][1] + CLOCK_STEP_S:
+        return
+    cursor = txn.cursor(db=db.fifo)  # type: ignore[attr-defined]
+    if cursor.first():  # what no cached block needs: every mark but the last at or before the oldest
+        oldest = _SEQ.unpack(cursor.key())[0]
+        while len(marks) > 1 and marks[1][0] <= oldest:
+            del marks[0]
+    marks.append((seq, at_s))
+    if len(marks) > CLOCK_MAX_MARKS:
+        half = len(marks) // 2
+        marks = marks[:half:2] + marks[half:]
+    txn.put(_CLOCK, b"".join(_MARK.pack(*mark) for mark in marks), db=db.meta)  # type: ignore[attr-defined]
 
 
 def _counter(txn: object, db: IndexDb, name: bytes) -> int:

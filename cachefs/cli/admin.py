@@ -226,6 +226,18 @@ def _refresh(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cached_since(unix_s: int | None, blocks: int) -> str:
+    """When the oldest cached block was cached, at the earliest, and how long ago that is."""
+    if not blocks:
+        return "none cached"
+    if unix_s is None:
+        return "unknown (cached by an older cachefs)"
+    ago_s = max(0, int(time.time()) - unix_s)
+    days, rest = divmod(ago_s, 86400)
+    ago = f"{days} d {rest // 3600} h" if days else f"{rest // 3600} h {rest % 3600 // 60} min"
+    return f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(unix_s))} or later ({ago} ago at most)"
+
+
 def _stats(args: argparse.Namespace) -> int:
     mountpoint = cachefs_mount(args.mountpoint)
     stats = control.call(_socket(mountpoint), {"command": "stats", "detailed": True}, timeout_s=60)
@@ -243,6 +255,7 @@ def _stats(args: argparse.Namespace) -> int:
                    f"(limit {format_size(stats['cache_capacity_bytes'])}, "
                    f"{100 * stats['cached_bytes'] / stats['cache_capacity_bytes']:.1f} % used)"),
         ("pinned", format_size(stats["pinned_bytes"])),
+        ("oldest block cached", _cached_since(stats.get("oldest_cached_unix"), stats["cached_blocks"])),
         ("reads", f"{stats['reads']} ({format_size(stats['read_bytes'])})"),
         ("block hits", str(stats["block_hits"])),
         ("block misses", str(stats["block_misses"])),

@@ -100,6 +100,7 @@ class Admin:
         result = self.snapshot(private=True)
         if request.get("detailed"):
             result["usage_by_top_level_bytes"] = await trio.to_thread.run_sync(self._usage_by_top_level)
+            result["oldest_cached_unix"] = await trio.to_thread.run_sync(self._cache.cached_since)
         return result
 
     def snapshot(self, private: bool = False) -> dict[str, Any]:
