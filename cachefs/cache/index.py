@@ -271,9 +271,10 @@ def _marks(txn: object, db: IndexDb) -> list[tuple[int, int]]:
 
 def _mark_time(txn: object, db: IndexDb, seq: int, at_s: int) -> None:
     """Note that blocks from insertion number `seq` on are cached at or after `at_s`."""
+    value = txn.get(_CLOCK, db=db.meta)  # type: ignore[attr-defined]
+    if value and at_s < _MARK.unpack_from(value, len(value) - _MARK.size)[1] + CLOCK_STEP_S:
+        return  # a batch of an insert: only the last mark is read
     marks = _marks(txn, db)
-    if marks and at_s < marks[-1][1] + CLOCK_STEP_S:
-        return
     cursor = txn.cursor(db=db.fifo)  # type: ignore[attr-defined]
     if cursor.first():  # what no cached block needs: every mark but the last at or before the oldest
         oldest = _SEQ.unpack(cursor.key())[0]
