@@ -338,7 +338,8 @@ class Fetcher:
 
         The batch's flights end first (FetchAbandoned): a file gets a flight again only
         when its request starts, so a reader never waits for a request queued behind
-        read-ahead; it fetches the file itself (and the requests here skip it).
+        read-ahead or a plan's prefetch; it fetches the file itself (and the requests
+        here skip it). `requests` says whose each file is (a plan's: its hold note).
         """
         self._fail(list(keys), flights, FetchAbandoned(f"batch of {keys[0]} and others asked for one by one"))
         files = iter(zip(keys, lengths, requests, strict=True))

@@ -24,9 +24,11 @@ memory costs disk, not RAM).
   lookahead window of wasted prefetch, also counted.
 - **Prefetch.** Blocks of the next `lookahead_blocks` uses after the head
   that are neither cached nor in flight are fetched in runs of contiguous
-  blocks (up to config.RUN_BYTES), holding the fetcher's `prefetch_slots` like read-ahead, so demand
+  blocks (up to config.RUN_BYTES), or of small files whole (a batch request,
+  as many files as spread the lookahead over the connections), holding the
+  fetcher's `prefetch_slots` like read-ahead, so demand
   misses always find a connection. Of those slots, only as many are used
-  as keep the link busy: twice the bandwidth-delay
+  as keep the link busy: bytes in flight up to twice the bandwidth-delay
   product, from the shortest one-block fetch (the RTT) and the highest
   delivery rate of the last `LINK_WINDOW_S`. More would only share the
   link among more blocks and delay the one needed next. The lookahead
@@ -302,8 +304,8 @@ class Planner:
                 key = plan.block_key(entry)
                 if key not in self._scheduled and not self._at_hand(key):
                     if run and not self._joins(plan, run, entry):
-                        self._start_run(plan, run)
-                        run = []
+                        self._start_run(plan, run)  # its bytes are in _inflight_bytes from now on
+                        run, run_bytes = [], 0
                     run.append((entry, position))
                     run_bytes += plan.block_length(entry)
                     asked.add(entry)
@@ -321,7 +323,7 @@ class Planner:
             slots = int(self._fetcher.prefetch_slots.total_tokens)
             batch_files = min(BATCH_MAX_FILES, -(-self.lookahead_blocks // slots))
             return (self._fetcher.batches and plan.whole_file(entry) and len(run) < batch_files
-                    and sum(plan.block_length(item) for item, _position in run) + plan.block_length(entry) <= RUN_BYTES)
+                    and self._run_bytes(plan, run) + plan.block_length(entry) <= RUN_BYTES)
         return entry == run[-1][0] + 1 and len(run) < self._run_blocks
 
     def _readahead_blocks(self) -> int:
@@ -337,7 +339,8 @@ class Planner:
         self._nursery.start_soon(logging_failure, self._prefetch_run, plan, run)
 
     async def _prefetch_run(self, plan: Plan, run: list[tuple[int, int]]) -> None:
-        """Fetch a run of contiguous blocks (one request) for `plan`, at read-ahead priority."""
+        """Fetch a run (contiguous blocks, or small files whole: one request) for `plan`, at
+        read-ahead priority."""
         try:
             async with self._fetcher.prefetch_slots:
                 if plan.cancelled:

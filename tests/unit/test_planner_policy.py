@@ -142,3 +142,29 @@ def test_plan_prefetch_keeps_the_same_bytes_in_flight_whatever_the_block_size(bl
     link.delivered(1.0, 125e6)
     assert link.concurrency_blocks * block_size >= PREFETCH_INFLIGHT_BYTES
 
+
+@pytest.mark.trio
+async def test_a_plan_s_first_window_fills_the_link_at_once(tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
+    """The blocks in flight the link estimate asks for are asked for as soon as the plan
+    arrives, not over the next ticks: runs already started are counted once."""
+    order = shuffled_blocks(100)  # a request per block: no two adjacent
+    async with running_spoke(tmp_path, {PATH: os.urandom(100 * BLOCK)}, planner=True,
+                             budget=budget_of(plan_bytes=100 * BLOCK), readahead_blocks=0,
+                             prefetch_connections=8) as spoke:
+        assert spoke.planner is not None
+        spoke.hub.silent = True  # nothing in flight ever ends
+        send, receive = trio.testing.memory_stream_one_way_pair()
+        text = "".join(json.dumps(line) + "\n" for line in (
+            {"files": [PATH]}, {"reads": [[0, blockno * BLOCK, BLOCK] for blockno in order]}, {"end": True}))
+
+        async def progress(message: dict[str, Any]) -> None:
+            pass
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(spoke.planner.handle_plan, {"epoch": 0}, progress, Lines(receive, text.encode()))  # type: ignore[arg-type]
+            # Polled: the plan is stored by worker threads, which wait_all_tasks_blocked takes for blocked.
+            while not spoke.hub.requests:  # noqa: ASYNC110 (until the planner's first requests)
+                await trio.sleep(0.01)
+            await trio.sleep(0.01)  # far less than a tick: the same _issue
+            assert sorted(spoke.blocks_asked(PATH)) == sorted(order[: spoke.planner.link.concurrency_blocks])
+            await send.aclose()
