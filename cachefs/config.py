@@ -70,7 +70,10 @@ class HubURL:
 def parse_hub_url(text: str) -> HubURL:
     """Validate a hub URL (http or https; credentials never go in it, and a refused URL is
     shown without its user info and query, which might hold one)."""
-    parts = urllib.parse.urlsplit(text)
+    try:
+        parts = urllib.parse.urlsplit(text)
+    except ValueError as exc:  # an unclosed [IPv6 address]: the URL is not shown, it may hold a secret
+        raise UsageError(f"invalid hub URL: {exc}") from None
     if "@" in parts.netloc:
         raise UsageError("credentials do not belong in the hub URL (they would show in `ps`): use --token-file")
     text = urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))  # as shown in messages

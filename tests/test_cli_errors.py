@@ -35,6 +35,7 @@ def test_hub_unreachable_at_mount(tmp_path: Path) -> None:
         ("http://", "no host"),
         ("not a url", "expected http"),
         ("http://h:99999", "invalid hub URL"),
+        ("http://[::1:8470/?token=S3CRET", "invalid hub URL: Invalid IPv6 URL"),
     ],
 )
 def test_malformed_url(tmp_path: Path, url: str, fragment: str) -> None:
