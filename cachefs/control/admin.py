@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import trio
@@ -43,7 +43,7 @@ class Admin:
         refresh: Callable[[], Awaitable[dict[str, Any]]] | None = None,
         sections: dict[str, Callable[[], dict[str, Any]]] | None = None,
         private_sections: dict[str, Callable[[], dict[str, Any]]] | None = None,
-        drop_pages: Callable[[list[int]], None] | None = None,
+        drop_pages: Callable[[Iterable[int]], None] | None = None,
     ) -> None:
         self._config = config
         # Makes the kernel drop its page cache of these inodes (a worker thread): after an evict
@@ -71,9 +71,9 @@ class Admin:
 
     # -- helpers --------------------------------------------------------------------
 
-    async def _drop_kernel_pages(self, files: list[Inode]) -> None:
-        if self._drop_pages is not None and files:
-            await trio.to_thread.run_sync(self._drop_pages, [entry.ino for entry in files])
+    async def _drop_kernel_pages(self, inodes: Iterable[int]) -> None:
+        if self._drop_pages is not None:
+            await trio.to_thread.run_sync(self._drop_pages, inodes)
 
     async def _files_in_thread(self, paths: Any) -> list[Inode]:
         """`_files` in a worker thread: a directory of a million files takes seconds to walk."""
@@ -192,7 +192,7 @@ class Admin:
         freed = 0
         for file_id in file_ids:
             freed += await trio.to_thread.run_sync(self._cache.evict_file, file_id)
-        await self._drop_kernel_pages(files)
+        await self._drop_kernel_pages([entry.ino for entry in files])
         return {"files": len(files), "freed_bytes": freed}
 
     async def purge(self, request: dict[str, Any], progress: Progress) -> dict[str, Any]:
@@ -202,7 +202,7 @@ class Admin:
         self._fetcher.discard_pending(lambda key: True)
         await trio.to_thread.run_sync(self._cache.unpin, self._cache.pinned_file_ids())
         blocks = await trio.to_thread.run_sync(self._cache.purge)
-        await self._drop_kernel_pages(await self._files_in_thread([""]))
+        await self._drop_kernel_pages(self._namespace.inode_numbers())  # streamed: a snapshot may have millions
         log.info("purged %d cached blocks", blocks)
         return {"purged_blocks": blocks}
 

@@ -16,7 +16,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import pyfuse3
@@ -78,7 +78,7 @@ def _forget_in_kernel(invalidate: Callable[..., None], *args: Any) -> bool:
 _forget_attributes = functools.partial(pyfuse3.invalidate_inode, attr_only=True)
 
 
-def drop_kernel_pages(inodes: list[int]) -> None:
+def drop_kernel_pages(inodes: Iterable[int]) -> None:
     """Make the kernel drop the pages (and attributes) it holds of these inodes (a worker thread):
     `cachefs evict` and `purge` leave no dataset bytes in memory for a reader to be served."""
     for ino in inodes:

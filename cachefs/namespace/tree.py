@@ -104,6 +104,12 @@ class Namespace:
             data = txn.get(_INO.pack(ino))
         return _unpack_inode(ino, data) if data is not None else None
 
+    def inode_numbers(self) -> Iterator[int]:
+        """Every inode number of the snapshot, read as they are used (no list of a million)."""
+        with self._db.env.begin(db=self._db.inodes) as txn:
+            for key in txn.cursor().iternext(keys=True, values=False):
+                yield _INO.unpack(key)[0]
+
     def lookup(self, parent: int, name: bytes) -> Inode | None:
         with self._db.env.begin() as txn:
             child = txn.get(_INO.pack(parent) + name, db=self._db.names)
