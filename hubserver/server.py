@@ -78,7 +78,7 @@ def handler_options(config: HubConfig) -> dict[str, Any]:
         "max_headers": config.max_headers,
         "lingering_time": config.lingering_time_s,
         # No endpoint reads a body, yet one is drained after the answer: never gunzip it (a
-        # "Content-Encoding: gzip" body that is not gzip was a traceback in the log, and a
+        # "Content-Encoding: gzip" body that is not gzip would be a traceback in the log, and a
         # compressed one seconds of the event loop's CPU).
         "auto_decompress": False,
         # The access log is written by the observe middleware and, for

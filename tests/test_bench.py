@@ -170,8 +170,9 @@ def test_cli_reads_a_shards_dir_of_other_files_by_size_and_fails_on_failed_reads
                                     "--random-reads", "--time-limit"])
 def test_cli_refuses_counts_that_measure_nothing_in_one_line(local_dataset: Path, option: str,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    """0 loader workers waited out every epoch's time limit; 0 threads or a batch of 0 were tracebacks;
-    a negative time limit or read count printed results of nothing."""
+    """Counts that would measure nothing (0 loader workers would wait out every epoch's time
+    limit, 0 threads or a batch of 0 would fail deep inside, a negative time limit or read
+    count would print results of nothing) are refused by the command line in one line."""
     for value in ("0", "-1"):
         with pytest.raises(SystemExit) as exited:
             bench_cli.main([str(local_dataset), "--workloads", "loader", option, value])

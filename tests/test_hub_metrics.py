@@ -143,8 +143,8 @@ def test_openmetrics_on_request(served: Served) -> None:
     ["application/openmetrics-text; version=abc", "text/plain; version=x", "application/openmetrics-text; version=1.a"],
 )
 def test_an_accept_header_with_a_malformed_version_gets_the_text_format(accept: str) -> None:
-    """prometheus_client's choose_encoder raises TypeError on such a version: that was a 500
-    and a traceback in the log for any client (/metrics is open by default)."""
+    """prometheus_client's choose_encoder raises TypeError on such a version: any client
+    (/metrics is open by default) must get the text format, not a 500 and a traceback."""
     from hubserver.metrics import HubMetrics
 
     body, content_type = HubMetrics().exposition(accept)

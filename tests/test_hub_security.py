@@ -457,7 +457,7 @@ def test_a_root_under_a_directory_that_cannot_be_searched_is_one_line_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """As a user without search permission on a directory above the root, Path.exists()
-    raises PermissionError (it was a traceback); root bypasses permissions, so it is faked."""
+    raises PermissionError, which must not become a traceback; root bypasses permissions, so it is faked."""
     root = tmp_path / "closed" / "root"
     real_stat = Path.stat
 
@@ -892,8 +892,8 @@ def test_a_hub_out_of_descriptors_answers_503_and_spokes_wait_not_estale(tmp_pat
 
 def test_a_compressed_request_body_is_drained_without_a_traceback_or_gunzipping(tmp_path: Path) -> None:
     """No endpoint reads a body; the one drained after the answer is not decompressed: a
-    body that is not the gzip it claims was a traceback in the log ("Unhandled exception"),
-    and a gzip bomb kept the event loop busy for seconds."""
+    body that is not the gzip it claims must not be a traceback in the log ("Unhandled exception"),
+    nor a gzip bomb keep the event loop busy for seconds."""
     import zlib
 
     root = tmp_path / "root"
@@ -1029,8 +1029,8 @@ def test_a_directory_swapped_for_a_symlink_is_never_followed_out_of_the_root(tmp
 def test_remembered_sums_of_a_file_under_a_directory_swapped_for_a_symlink_answer_412(tmp_path: Path) -> None:
     """The directory above a file moved out of the root and a symlink to it put in its place:
     the file is still the scanned inode, but reached through a symlink, so its checksums
-    answer 412 like its data, also when they are remembered (before: an lstat of the path
-    followed the symlink, and remembered sums were answered 200)."""
+    answer 412 like its data, also when they are remembered (an lstat of the path would follow
+    the symlink to the same inode)."""
     root = tmp_path / "root"
     (root / "sub").mkdir(parents=True)
     (root / "sub" / "data.bin").write_bytes(b"x" * 100_000)
