@@ -186,6 +186,12 @@ def test_tls_is_verified_and_mutual_tls_works(dataset: Path, tmp_path: Path) -> 
         assert_clean_failure(untrusted, "failed TLS verification")
         no_client_cert = run_cachefs("mount", url, tmp_path / "m", "--cache-dir", tmp_path / "c2", "--ca-file", ca[2])
         assert_clean_failure(no_client_cert, "cannot get the manifest")
+        assert "check --tls-cert and --tls-key" in no_client_cert.stderr  # what the hub's silence means
+        foreign = make_ca(tmp_path, "other-ca")
+        foreign_cert, foreign_key = issue(tmp_path, foreign, "spoke-elsewhere")
+        refused = run_cachefs("mount", url, tmp_path / "m", "--cache-dir", tmp_path / "c4", "--ca-file", ca[2],
+                              "--tls-cert", foreign_cert, "--tls-key", foreign_key)
+        assert_clean_failure(refused, "check --tls-cert and --tls-key")
         # TLS options with no https:// URL are refused, not ignored while the data goes in clear.
         in_clear = run_cachefs("mount", hub.url.replace("https://", "http://"), tmp_path / "m",
                                "--cache-dir", tmp_path / "c3", *tls_args)

@@ -582,14 +582,25 @@ class HubSilent(HubUnavailable):
     would each cost a timeout too."""
 
 
+# A TLS 1.3 hub that refuses the client's certificate (--tls-client-ca) does so after the
+# handshake: the client sees its connection closed or reset without an answer.
+_REFUSED_CERTIFICATE_HINT = ("; a hub with --tls-client-ca drops the connection of a client certificate "
+                             "it refuses, or of none: check --tls-cert and --tls-key")
+
+
 def _translate(exc: BaseException, url: HubURL) -> BaseException:
     """Map transport failures to HubUnavailable/HubProtocolError; keep ours and trio's."""
     if isinstance(exc, (HubUnavailable, HubProtocolError, HubStatusError, HubTLSError)):
         return exc
     if isinstance(exc, h11.RemoteProtocolError):
+        if "ConnectionClosed" in str(exc):  # h11's words for a connection closed before the answer
+            hint = _REFUSED_CERTIFICATE_HINT if url.tls else ""
+            return HubProtocolError(f"hub {url} closed the connection without an answer{hint}")
         return HubProtocolError(f"hub {url} broke the HTTP protocol: {exc}")
     if isinstance(exc, (OSError, trio.BrokenResourceError, trio.ClosedResourceError)):
-        return HubUnavailable(f"connection to hub {url} failed: {exc}")
+        reset = isinstance(exc.__cause__ or exc, ConnectionResetError) or "reset by peer" in str(exc)
+        hint = _REFUSED_CERTIFICATE_HINT if url.tls and reset else ""
+        return HubUnavailable(f"connection to hub {url} failed: {exc}{hint}")
     return exc
 
 
