@@ -88,9 +88,9 @@ def test_token_is_required_and_never_shown(dataset: Path, tmp_path: Path) -> Non
     assert_clean_failure(run_cachefs("mount", "https://127.0.0.1:1", tmp_path / "m3", "--cache-dir", tmp_path / "c3",
                                      "--tls-cert", loose, "--tls-key", loose), "--tls-key")
     os.mkfifo(tmp_path / "fifo", 0o600)
-    for option in ("--token-file", "--tls-key", "--ca-file"):
+    for options in (["--token-file"], ["--tls-cert", loose, "--tls-key"], ["--ca-file"]):
         assert_clean_failure(run_cachefs("mount", "https://127.0.0.1:1", tmp_path / "m3", "--cache-dir",
-                                         tmp_path / "c3", option, tmp_path / "fifo", timeout_s=20),
+                                         tmp_path / "c3", *options, tmp_path / "fifo", timeout_s=20),
                              "is not a regular file")
     # A refused hub URL is shown without what might be a credential in it.
     for url in ("https://hub.example:99999/?token=S3CRETQ", "ftp://hub.example/x?token=S3CRETQ#S3CRETF"):
@@ -197,6 +197,8 @@ def test_tls_is_verified_and_mutual_tls_works(dataset: Path, tmp_path: Path) -> 
                                "--cache-dir", tmp_path / "c3", *tls_args)
         assert in_clear.returncode == 2
         assert_clean_failure(in_clear, "nothing would use --ca-file, --tls-cert, --tls-key: they are for https://")
+        half = run_cachefs("mount", url, tmp_path / "m", "--cache-dir", tmp_path / "c5", "--tls-cert", client_cert)
+        assert_clean_failure(half, "--tls-cert and --tls-key go together")
 
 
 class CuttingProxy:

@@ -273,6 +273,8 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
     tier_urls = parse_tier(args.tier, hub_url)
     tls_options = [flag for flag, value in (("--ca-file", args.ca_file), ("--tls-cert", args.tls_cert),
                                             ("--tls-key", args.tls_key)) if value is not None]
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UsageError("--tls-cert and --tls-key go together: the client certificate and its key")
     for path, what in ((args.ca_file, "--ca-file"), (args.tls_cert, "--tls-cert")):
         if path is not None:
             check_regular_file(path, what)
