@@ -104,37 +104,25 @@ def checked_token(token: str, source: str) -> str:
     return token
 
 
-def read_private_file(path: Path, what: str) -> bytes:
-    """A secret's file (a token, a TLS key): a regular file (opened without waiting: a FIFO
-    is refused, not read forever) that group and others cannot read."""
+def read_option_file(path: Path, what: str, *, private: bool = False) -> bytes:
+    """A file an option names, whole: a regular file, opened without waiting (a FIFO is
+    refused, not read forever); `private`: a secret's (a token, a TLS key), which group and
+    others must not be able to read."""
     try:
         with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as source:
             info = os.fstat(source.fileno())
             if not stat.S_ISREG(info.st_mode):
                 raise UsageError(f"{what} {path} is not a regular file")
-            if info.st_mode & 0o077:
+            if private and info.st_mode & 0o077:
                 raise UsageError(f"{what} {path} is readable by group or others; chmod 600 it")
             return source.read()
     except OSError as exc:
         raise UsageError(f"cannot read {what} {path}: {exc.strerror}") from None
 
 
-def check_regular_file(path: Path, what: str) -> None:
-    """A certificate's file must be a regular file one can read (a FIFO would block the mount)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise UsageError(f"cannot read {what} {path}: {exc.strerror}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UsageError(f"{what} {path} is not a regular file")
-    finally:
-        os.close(fd)
-
-
 def read_token(path: Path) -> str:
     """The bearer token in a file: its first non-empty, non-comment line."""
-    text = read_private_file(path, "token file").decode("utf-8", "replace")
+    text = read_option_file(path, "token file", private=True).decode("utf-8", "replace")
     for line in text.splitlines():
         line = line.strip()
         if line and not line.startswith("#"):

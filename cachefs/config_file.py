@@ -11,10 +11,11 @@ Standard library only: the hub's CLI uses it too.
 from __future__ import annotations
 
 import argparse
-import os
-import stat
 import tomllib
 from pathlib import Path
+
+from .config import read_option_file
+from .errors import UsageError
 
 
 class ConfigFileError(Exception):
@@ -42,13 +43,11 @@ def options_from_file(path: Path, parser: argparse.ArgumentParser, given: frozen
     command line gives (`given`: its long options): a flag overrides the file, also for an option
     given once per item (a file's `tier` list and a `--tier` flag are not added together)."""
     try:
-        # Non-blocking: a FIFO given as the file is refused, not waited on forever.
-        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as source:
-            if not stat.S_ISREG(os.fstat(source.fileno()).st_mode):
-                raise ConfigFileError(f"config file {path} is not a regular file")
-            table = tomllib.load(source)
-    except OSError as exc:
-        raise ConfigFileError(f"cannot read config file {path}: {exc.strerror}") from None
+        table = tomllib.loads(read_option_file(path, "config file").decode("utf-8"))
+    except UsageError as exc:
+        raise ConfigFileError(str(exc)) from None
+    except UnicodeDecodeError:
+        raise ConfigFileError(f"config file {path} is not valid TOML: not UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigFileError(f"config file {path} is not valid TOML: {exc}") from None
     known = {action.dest for action in parser._actions if action.option_strings and action.help != argparse.SUPPRESS}

@@ -24,7 +24,6 @@ from ..cache.tenants import DEFAULT_TENANT, TENANTS_DIR, tenant_dir, validate_te
 from ..config import (
     MountConfig,
     PassthroughMode,
-    check_regular_file,
     checked_token,
     parse_group,
     parse_hub_url,
@@ -33,7 +32,7 @@ from ..config import (
     parse_size,
     parse_tier,
     parse_user,
-    read_private_file,
+    read_option_file,
     read_token,
     validate_block_size,
     validate_tier_slice,
@@ -275,11 +274,9 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
                                             ("--tls-key", args.tls_key)) if value is not None]
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UsageError("--tls-cert and --tls-key go together: the client certificate and its key")
-    for path, what in ((args.ca_file, "--ca-file"), (args.tls_cert, "--tls-cert")):
-        if path is not None:
-            check_regular_file(path, what)
-    if args.tls_key is not None:
-        read_private_file(args.tls_key, "--tls-key")  # a key others may read is refused, as a token file
+    for path, what in ((args.ca_file, "--ca-file"), (args.tls_cert, "--tls-cert"), (args.tls_key, "--tls-key")):
+        if path is not None:  # a key others may read is refused, as a token file
+            read_option_file(path, what, private=what == "--tls-key")
     if tls_options and not any(url.tls for url in (hub_url, *tier_urls)):
         # Not silently ignored: whoever gave them expects the connection to be encrypted.
         raise UsageError(f"nothing would use {', '.join(tls_options)}: they are for https:// URLs, and the hub "
