@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import tracemalloc
@@ -240,3 +241,29 @@ def test_a_loader_that_cannot_start_says_so(db: NamespaceDb, tmp_path: Path, mon
     monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
     with pytest.raises(ChildFailed, match="cannot run"):
         load_via_child(db, write_manifest(tmp_path / "1.gz", "g1", [dir_entry("")]))
+
+
+def test_a_readdir_resumed_across_a_new_generation_lists_every_kept_name_once(db: NamespaceDb, tmp_path: Path) -> None:
+    """The kernel resumes a readdir at the offset the last reply gave: a refresh in between must not
+    shift the names both generations have (a listing of a large directory spans several replies)."""
+    old = [f"f{i:04d}" for i in range(1000)]
+    new = [name for i, name in enumerate(old) if i % 10] + [f"new{i:04d}" for i in range(100)]
+    load_manifest(db, write_manifest(tmp_path / "1.gz", "g1", [dir_entry(""), dir_entry("d")]
+                                     + [file_entry(f"d/{name}", 1) for name in old]))
+    namespace = Namespace(db)
+    directory = namespace.resolve("d")
+    assert directory is not None
+    first = list(itertools.islice(namespace.readdir(directory.ino, 0), 500))
+    listed, offset = [os.fsdecode(name) for _next, name, _inode in first], first[-1][0]
+    load_manifest(db, write_manifest(tmp_path / "2.gz", "g2", [dir_entry(""), dir_entry("d")]
+                                     + [file_entry(f"d/{name}", 1) for name in new]))
+    listed += [os.fsdecode(name) for _offset, name, _inode in namespace.readdir(directory.ino, offset)]
+    kept = set(old) & set(new)
+    assert sorted(name for name in listed if name in kept) == sorted(kept)
+    assert set(new) - set(listed) == set()  # the names added come after every old one
+    assert sorted(names(namespace, "d")) == sorted(new)  # a fresh listing: the new generation only
+    assert len(names(namespace, "d")) == len(new)
+    # a name removed and added back keeps no stale entry
+    load_manifest(db, write_manifest(tmp_path / "3.gz", "g3", [dir_entry(""), dir_entry("d")]
+                                     + [file_entry(f"d/{name}", 1) for name in old]))
+    assert sorted(names(namespace, "d")) == sorted(old)

@@ -328,8 +328,9 @@ def load_manifest(
             raise HubProtocolError("the hub's manifest is empty") from None
         _check_header(header)
         with db.env.begin(write=True) as txn:
-            for table in (db.dirents, db.loading):
-                txn.drop(table, delete=False)
+            # The old entries (dirents) stay: a name both generations have keeps its position, so a
+            # readdir that resumes at an offset of the old generation neither skips nor repeats it.
+            txn.drop(db.loading, delete=False)
             entries, file_bytes, changes = _write_entries(txn, db, lines)
             _drop_old_names(txn, db, changes)
             txn.drop(db.loading, delete=False)
@@ -354,6 +355,9 @@ def _drop_old_names(txn: lmdb.Transaction, db: NamespaceDb, changes: NamespaceCh
             cursor.next()
             continue
         changes.removed.append((_INO.unpack(key[:8])[0], bytes(key[8:]), _INO.unpack(packed_ino)[0]))
+        old = txn.get(packed_ino, db=db.inodes)
+        if old is not None:
+            txn.delete(bytes(key[:8]) + _POS.pack(_ATTRS.unpack_from(old)[5]), db=db.dirents)
         txn.delete(packed_ino, db=db.inodes)
         cursor.delete()  # and on to the next name
 
@@ -387,16 +391,21 @@ def _write_entries(txn: lmdb.Transaction, db: NamespaceDb, lines: Iterator[dict[
         ):
             raise HubProtocolError(f"manifest entry {path!r} is duplicated or comes before its directory")
         name = b""
+        old = txn.get(packed_ino, db=db.inodes)
         if path != "":
             name = os.fsencode(path.rpartition("/")[2])
-            position = next_position.get(inode.parent, 0)
-            next_position[inode.parent] = position + 1
-            inode = dataclasses.replace(inode, position=position)
             key = _INO.pack(inode.parent)
+            if old is not None:  # the same path (inode numbers are path hashes): the same position
+                position = _ATTRS.unpack_from(old)[5]
+            else:  # a new name: after every position the directory had
+                if inode.parent not in next_position:
+                    next_position[inode.parent] = _after_last_position(txn, db, key)
+                position = next_position[inode.parent]
+                next_position[inode.parent] = position + 1
+            inode = dataclasses.replace(inode, position=position)
             txn.put(key + name, packed_ino, db=db.names)
             txn.put(key + _POS.pack(position), packed_ino + name, db=db.dirents)
         packed = _pack_inode(inode)
-        old = txn.get(packed_ino, db=db.inodes)
         if old is not None and _without_position(old) != _without_position(packed):
             changes.changed.append(inode.ino)
         if path != "" and not first_load:
@@ -410,6 +419,21 @@ def _write_entries(txn: lmdb.Transaction, db: NamespaceDb, lines: Iterator[dict[
     if entries == 0:
         raise HubProtocolError("manifest has no root entry")
     return entries, file_bytes, changes
+
+
+def _after_last_position(txn: lmdb.Transaction, db: NamespaceDb, prefix: bytes) -> int:
+    """The position after the last entry the directory `prefix` (its packed inode) has in `db.dirents`."""
+    cursor = txn.cursor(db=db.dirents)
+    if cursor.set_range(prefix + b"\xff" * _POS.size):
+        if bytes(cursor.key()).startswith(prefix):  # the position 0xffffffff itself
+            raise HubProtocolError("a directory's positions are exhausted")
+        found = cursor.prev()
+    else:
+        found = cursor.last()
+    last = bytes(cursor.key())
+    if not found or not last.startswith(prefix):
+        return 0
+    return int(_POS.unpack(last[8:])[0]) + 1
 
 
 def _without_position(packed: bytes | memoryview) -> bytes:
