@@ -43,7 +43,7 @@ class Admin:
         refresh: Callable[[], Awaitable[dict[str, Any]]] | None = None,
         sections: dict[str, Callable[[], dict[str, Any]]] | None = None,
         private_sections: dict[str, Callable[[], dict[str, Any]]] | None = None,
-        drop_pages: Callable[[Iterable[int]], None] | None = None,
+        drop_pages: Callable[[Iterable[int]], object] | None = None,
     ) -> None:
         self._config = config
         # Makes the kernel drop its page cache of these inodes (a worker thread): after an evict

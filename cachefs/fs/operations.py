@@ -78,11 +78,11 @@ def _forget_in_kernel(invalidate: Callable[..., None], *args: Any) -> bool:
 _forget_attributes = functools.partial(pyfuse3.invalidate_inode, attr_only=True)
 
 
-def drop_kernel_pages(inodes: Iterable[int]) -> None:
-    """Make the kernel drop the pages (and attributes) it holds of these inodes (a worker thread):
-    `cachefs evict` and `purge` leave no dataset bytes in memory for a reader to be served."""
-    for ino in inodes:
-        _forget_in_kernel(pyfuse3.invalidate_inode, ino)
+def drop_kernel_pages(inodes: Iterable[int]) -> set[int]:
+    """Make the kernel drop the attributes and pages it holds of these inodes (a worker thread):
+    after a refresh, what changed; after `cachefs evict` and `purge`, no dataset bytes stay in
+    memory for a reader to be served. Returns the inodes the kernel held."""
+    return {ino for ino in inodes if _forget_in_kernel(pyfuse3.invalidate_inode, ino)}
 
 
 async def _read_only_async(*_args: Any, **_kwargs: Any) -> Any:
@@ -279,7 +279,7 @@ class CachefsOperations(pyfuse3.Operations):
         """Make the kernel forget attributes, names and pages of what a new generation changed.
         Under --nfs-export the files of a new version the kernel holds are refused first
         (ReplacedInKernel), before their names are forgotten: lookups come then."""
-        held = await trio.to_thread.run_sync(self._forget_changed_inodes, changes)
+        held = await trio.to_thread.run_sync(drop_kernel_pages, changes.changed)
         if self._version_generations:
             files = await trio.to_thread.run_sync(self._files_of_new_versions, changes, held)
             self._replaced_in_kernel.replaced(files)
@@ -297,12 +297,6 @@ class CachefsOperations(pyfuse3.Operations):
         await trio.to_thread.run_sync(forget_names)
         for _parent, _name, ino in changes.removed:
             self._replaced_in_kernel.forgotten(ino)
-
-    @staticmethod
-    def _forget_changed_inodes(changes: Changes) -> set[int]:
-        """Make the kernel forget the attributes and pages of changed inodes (a worker thread);
-        returns those it held."""
-        return {ino for ino in changes.changed if _forget_in_kernel(pyfuse3.invalidate_inode, ino)}
 
     def _files_of_new_versions(self, changes: Changes, held: set[int]) -> dict[int, bytes]:
         """Inode -> version of the files of a new version whose inode the kernel held (a worker
