@@ -303,7 +303,7 @@ class Planner:
             if not plan.is_consumed(position) and entry not in asked:
                 key = plan.block_key(entry)
                 if key not in self._scheduled and not self._at_hand(key):
-                    if run and not self._joins(plan, run, entry):
+                    if run and not self._joins(plan, run, run_bytes, entry):
                         self._start_run(plan, run)  # its bytes are in _inflight_bytes from now on
                         run, run_bytes = [], 0
                     run.append((entry, position))
@@ -314,8 +314,8 @@ class Planner:
             self._start_run(plan, run)
         plan.issued = position
 
-    def _joins(self, plan: Plan, run: list[tuple[int, int]], entry: int) -> bool:
-        """Whether `entry` goes into the request of `run`: the next block of the same file, or,
+    def _joins(self, plan: Plan, run: list[tuple[int, int]], run_bytes: int, entry: int) -> bool:
+        """Whether `entry` goes into the request of `run` (`run_bytes` long): the next block of the same file, or,
         in a run of small files whole, another small file (one batch request while the hub
         takes them, up to its limit and RUN_BYTES): a sample per file needs no round trip each."""
         if plan.whole_file(run[0][0]):
@@ -323,7 +323,7 @@ class Planner:
             slots = int(self._fetcher.prefetch_slots.total_tokens)
             batch_files = min(BATCH_MAX_FILES, -(-self.lookahead_blocks // slots))
             return (self._fetcher.batches and plan.whole_file(entry) and len(run) < batch_files
-                    and self._run_bytes(plan, run) + plan.block_length(entry) <= RUN_BYTES)
+                    and run_bytes + plan.block_length(entry) <= RUN_BYTES)
         return entry == run[-1][0] + 1 and len(run) < self._run_blocks
 
     def _readahead_blocks(self) -> int:
