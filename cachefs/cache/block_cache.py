@@ -256,7 +256,7 @@ class BlockCache:
         read ahead lost their place and were fetched a second time by their
         reader)."""
         with self._lock:
-            with self._share.admitting() if self._share is not None else contextlib.nullcontext():
+            with self._admitting():
                 try:
                     admitted = self._admit(blocks, ahead)
                 except lmdb.Error as exc:  # dropping what they displace failed (a full disk)
@@ -702,12 +702,16 @@ class BlockCache:
             self.store.delete_all()
         return count
 
+    def _admitting(self) -> contextlib.AbstractContextManager[object]:
+        """The cache dir's admission lock, when tenants share it (TenantShare.admitting)."""
+        return self._share.admitting() if self._share is not None else contextlib.nullcontext()
+
     def pin(self, files: dict[bytes, int]) -> None:
         """Keep these files (id -> size) out of eviction; refuse if they cannot all fit."""
         # Under the cache dir's admission lock, and published before it is released: another
         # tenant pinning at the same moment sees these pins in its pin_limit (else both fit alone
         # and together pin more than the shared size).
-        with self._lock, self._share.admitting() if self._share is not None else contextlib.nullcontext():
+        with self._lock, self._admitting():
             wanted = sum(size for file_id, size in files.items() if file_id not in self._pins)
             limit = self.capacity_bytes if self._share is None else self._share.pin_limit()
             if self.pinned_bytes() + wanted > limit:
@@ -739,7 +743,7 @@ class BlockCache:
         pinned file it no longer has is unpinned (no path names it any more, so `cachefs unpin`
         could not), a pinned file whose size changed counts its new size (its new version's blocks
         are pinned too: a pin is by file id). Returns (unpinned, resized)."""
-        with self._lock, self._share.admitting() if self._share is not None else contextlib.nullcontext():
+        with self._lock, self._admitting():
             gone, resized = [], {}
             for file_id, size in self._pins.items():
                 now = size_of(file_id)
