@@ -265,7 +265,10 @@ def _has_seq(txn: object, db: IndexDb, key: BlockKey, seq: int) -> bool:
 
 
 def _marks(txn: object, db: IndexDb) -> list[tuple[int, int]]:
-    value = txn.get(_CLOCK, db=db.meta)  # type: ignore[attr-defined]
+    return _unpacked_marks(txn.get(_CLOCK, db=db.meta))  # type: ignore[attr-defined]
+
+
+def _unpacked_marks(value: bytes | None) -> list[tuple[int, int]]:
     return list(_MARK.iter_unpack(value)) if value else []
 
 
@@ -274,7 +277,7 @@ def _mark_time(txn: object, db: IndexDb, seq: int, at_s: int) -> None:
     value = txn.get(_CLOCK, db=db.meta)  # type: ignore[attr-defined]
     if value and at_s < _MARK.unpack_from(value, len(value) - _MARK.size)[1] + CLOCK_STEP_S:
         return  # a batch of an insert: only the last mark is read
-    marks = _marks(txn, db)
+    marks = _unpacked_marks(value)
     cursor = txn.cursor(db=db.fifo)  # type: ignore[attr-defined]
     if cursor.first():  # what no cached block needs: every mark but the last at or before the oldest
         oldest = _SEQ.unpack(cursor.key())[0]
