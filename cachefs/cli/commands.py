@@ -270,13 +270,12 @@ def _config_from_args(args: argparse.Namespace) -> MountConfig:
     if cache_min > min(cache_size, cache_max or cache_size):
         raise UsageError(f"--cache-min {args.cache_min} is more than --cache-max or --cache-size")
     tier_urls = parse_tier(args.tier, hub_url)
-    tls_options = [flag for flag, value in (("--ca-file", args.ca_file), ("--tls-cert", args.tls_cert),
-                                            ("--tls-key", args.tls_key)) if value is not None]
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UsageError("--tls-cert and --tls-key go together: the client certificate and its key")
-    for path, what in ((args.ca_file, "--ca-file"), (args.tls_cert, "--tls-cert"), (args.tls_key, "--tls-key")):
-        if path is not None:  # a key others may read is refused, as a token file
-            read_option_file(path, what, private=what == "--tls-key")
+    tls_options = {flag: path for flag, path in (("--ca-file", args.ca_file), ("--tls-cert", args.tls_cert),
+                                                 ("--tls-key", args.tls_key)) if path is not None}
+    for flag, path in tls_options.items():  # a key others may read is refused, as a token file
+        read_option_file(path, flag, private=flag == "--tls-key")
     if tls_options and not any(url.tls for url in (hub_url, *tier_urls)):
         # Not silently ignored: whoever gave them expects the connection to be encrypted.
         raise UsageError(f"nothing would use {', '.join(tls_options)}: they are for https:// URLs, and the hub "
