@@ -426,12 +426,13 @@ class PlanSampler(_SamplerBase):
         except Exception as exc:  # also a bug in reads_of (the caller's code): one warning, not a thread's traceback
             with self._lock:
                 current = generation == self._generation
+            expected = isinstance(exc, (PlanError, OSError, ValueError))
             if self.strict and current:
-                if not isinstance(exc, (PlanError, OSError, ValueError)):
+                if not expected:
                     raise  # the caller's bug, with its traceback
                 raise PlanError(str(exc)) from None
             if current and not self._warned:
-                reason = exc if isinstance(exc, (PlanError, OSError, ValueError)) else f"{type(exc).__name__}: {exc}"
+                reason = exc if expected else f"{type(exc).__name__}: {exc}"
                 log.warning("cachefs: training without a plan: %s", reason)
                 self._warned = True
             return
