@@ -649,7 +649,7 @@ def _check_etag(value: bytes | None, expected: str, what: str) -> None:
     for: the hub's ETag names them (hubserver/handlers.py, checksums.py), and a cache in
     between (a tier node whose cache key lost the version, say) passes on the ETag of what
     it cached, with that answer's own checksums header, which the bytes would then pass.
-    An answer without ETag (a proxy that drops it) is taken as before."""
+    An answer without ETag (a proxy that drops it) is taken: its bytes still meet their checksums."""
     if value is None:
         return
     tag = value.strip().removeprefix(b"W/")
